@@ -1,0 +1,36 @@
+# make demo  - trains the tiny transformer, eager vs compiled side by side
+# make test  - ruff + the test suite
+# Each sets up .venv on first use (torch pinned to the CPU build this machine
+# has on disk; on a GPU machine install torch your usual way first).
+
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.hocompile-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test,peers]"
+	# emerging-optimizers 0.3.0 declares Python >= 3.12 but runs on 3.11; pinned (a 999.9.9 placeholder exists)
+	$(BIN)/pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/tiny_transformer.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check hocompile tests examples benchmarks
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/gpt2_muon_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,71 @@
+"""hocompile: compile higher-order optimizer steps.
+
+    opt = hocompile.compile_optimizer(torch.optim.Muon(params, lr=0.02))
+    ...
+    opt.step()
+    print(hocompile.explain(opt))
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .host_scalars import CaptureError
+from .runtime import CompiledOptimizer, UnsupportedParameterError
+from .runtime.cache import CacheWarning
+from .runtime.explain import explain
+from .settings import Settings
+
+__version__ = "0.1.0"
+
+
+def compile_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    fallback: str = "error",
+    structural_keys: tuple[str, ...] | list[str] = (),
+    cache_dir: str | os.PathLike[str] | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    disable_passes: tuple[str, ...] | list[str] | None = None,
+    debug: int | None = None,
+) -> CompiledOptimizer:
+    """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (torch.optim.Muon, AdamW,
+            SGD, emerging_optimizers.Muon, ...). It keeps working: the
+            compiled optimizer shares its param groups and state.
+        fallback: ``"error"`` (default) raises :class:`CaptureError` when the
+            step cannot be compiled; ``"eager"`` logs a warning and runs the
+            eager step for that configuration instead.
+        structural_keys: extra param-group keys whose float values select the
+            program (like ``ns_coefficients``) rather than feed it numbers.
+        cache_dir, dump_dir, disable_passes, debug: override the
+            ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
+            ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
+
+    Compilation happens on the first ``step()`` (the state it creates lazily
+    is part of the first graph) and again only when guards change.
+    """
+    settings = Settings.resolve(
+        cache_dir=cache_dir,
+        dump_dir=dump_dir,
+        disable_passes=disable_passes,
+        debug=debug,
+        fallback=fallback,
+        structural_keys=structural_keys,
+    )
+    return CompiledOptimizer(optimizer, settings)
+
+
+__all__ = [
+    "CacheWarning",
+    "CaptureError",
+    "CompiledOptimizer",
+    "Settings",
+    "UnsupportedParameterError",
+    "compile_optimizer",
+    "explain",
+]

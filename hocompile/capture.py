@@ -1,0 +1,325 @@
+"""Optimizer step -> functional aten FX graph plus a binding plan.
+
+How: ``make_fx(functionalize(...), tracing_mode="fake")`` over a function that
+temporarily rebinds ``param_groups[i]["params"]``, each param's ``.grad`` and
+``opt.state`` to the traced tensors, then runs the optimizer's own ``step``.
+Dispatch-level tracing goes straight through Python (logging, registries,
+dataclasses), so real optimizer libraries come out as one graph (Dynamo splits
+emerging-optimizers' Muon into 14).
+
+Hyperparameters become host scalar inputs (see :mod:`hocompile.scalars`). The
+step is traced twice with different sentinel payloads: a constant that differs
+between the traces depends on a hyperparameter, and must have been tracked;
+one that was not (say ``math.sqrt(lr)`` turned it into a plain float) is an
+error, never a silently baked-in number.
+
+Nothing here touches real data: tracing runs on fake tensors, and everything
+rebound on the optimizer is put back even when the step raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .graph import ORIGIN, ROLE, InputSlot
+from .host_scalars import (
+    CaptureError,
+    HostScalarMode,
+    counter_name,
+    restore_groups,
+    swap_in_hyperparams,
+)
+from .scalars import Expr, Guard, ScalarProgram, ScalarTracker, build_scalar_program
+
+log = logging.getLogger("hocompile.capture")
+
+
+@dataclass(frozen=True)
+class OutputAction:
+    """What the runtime does with one graph output."""
+
+    mode: str  # "copy": write into the input tensor; "assign": state[p][key] = value
+    slot: InputSlot
+
+
+@dataclass(frozen=True)
+class CounterRead:
+    """A 0-d state tensor whose value the step reads on the host."""
+
+    name: str
+    slot: InputSlot
+
+
+@dataclass
+class CapturedStep:
+    gm: fx.GraphModule
+    inputs: tuple[InputSlot, ...]
+    outputs: tuple[OutputAction, ...]
+    scalars: ScalarProgram
+    guards: tuple[Guard, ...]
+    counters: tuple[CounterRead, ...]
+    clears_grads: tuple[tuple[int, int], ...]
+    ignored_side_effects: tuple[str, ...]
+    trace_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _TraceResult:
+    gm: fx.GraphModule
+    tracker: ScalarTracker
+    assigns: list[InputSlot]
+    clears: list[tuple[int, int]]
+    side_effects: list[str]
+    counters: list[CounterRead]
+
+
+def unwrapped_step(opt: torch.optim.Optimizer) -> Any:
+    # Optimizer patches `step` with a hook-running wrapper; the runtime runs the
+    # hooks itself around the compiled step, so the trace must not run them.
+    step = type(opt).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def input_slots(opt: torch.optim.Optimizer) -> list[InputSlot]:
+    """Tensor inputs of the step, in graph order: per param, param, grad, state."""
+    slots: list[InputSlot] = []
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            slots += [InputSlot("param", g, i), InputSlot("grad", g, i)]
+            state = opt.state.get(p, {})
+            slots += [
+                InputSlot("state", g, i, k)
+                for k in sorted(state)
+                if isinstance(state[k], torch.Tensor)
+            ]
+    return slots
+
+
+def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
+    p = opt.param_groups[slot.group]["params"][slot.index]
+    if slot.kind == "param":
+        return p
+    if slot.kind == "grad":
+        return p.grad
+    return opt.state[p][slot.key]
+
+
+def _trace(
+    opt: torch.optim.Optimizer, slots: list[InputSlot], structural: frozenset[str], salt: int
+) -> _TraceResult:
+    tracker = ScalarTracker(real={})
+    mode = HostScalarMode(tracker, salt)
+    result: dict[str, Any] = {}
+    real_inputs = [slot_tensor(opt, s) for s in slots]
+    step = unwrapped_step(opt)
+
+    def traced(*flat: torch.Tensor) -> list[torch.Tensor]:
+        by_slot = dict(zip(slots, flat))
+        groups = opt.param_groups
+        saved_state = opt.state
+        saved_attrs = dict(vars(opt))
+        saved_groups = swap_in_hyperparams(groups, structural, tracker, salt)
+        fake_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        fakes: dict[tuple[int, int], torch.Tensor] = {}
+        for g, group in enumerate(groups):
+            params = list(group["params"])
+            for i, p in enumerate(params):
+                if (slot := InputSlot("param", g, i)) not in by_slot:
+                    fake_state[p] = dict(saved_state.get(p, {}))
+                    continue
+                fp = by_slot[slot]
+                fp.grad = by_slot[InputSlot("grad", g, i)]
+                params[i] = fp
+                fakes[(g, i)] = fp
+                entry = dict(saved_state.get(p, {}))
+                for key in entry:
+                    if (st := InputSlot("state", g, i, key)) in by_slot:
+                        entry[key] = by_slot[st]
+                        if entry[key].dim() == 0:
+                            real = float(saved_state[p][key].item())
+                            mode.track(entry[key], counter_name(g, i, key), real, 1000 + len(mode.mirrors))
+                            result.setdefault("counters", []).append(CounterRead(counter_name(g, i, key), st))
+                fake_state[fp] = entry
+            group["params"] = params
+        installed = [dict(group) for group in groups]
+        opt.state = fake_state
+        try:
+            with mode:
+                step(opt)
+        finally:
+            opt.state = saved_state
+            result["side_effects"] = restore_groups(groups, saved_groups, installed)
+            for key in set(vars(opt)) - set(saved_attrs):
+                delattr(opt, key)
+                result["side_effects"].append(f"optimizer attribute {key!r}")
+            for key, value in saved_attrs.items():
+                if vars(opt).get(key) is not value:
+                    setattr(opt, key, value)
+                    result["side_effects"].append(f"optimizer attribute {key!r}")
+        assigns: list[InputSlot] = []
+        values: list[torch.Tensor] = []
+        clears: list[tuple[int, int]] = []
+        for (g, i), fp in fakes.items():
+            if fp.grad is None:
+                clears.append((g, i))
+            before = saved_state.get(opt.param_groups[g]["params"][i], {})
+            for key, value in fake_state[fp].items():
+                st = InputSlot("state", g, i, key)
+                if isinstance(value, torch.Tensor):
+                    if by_slot.get(st) is not value:
+                        assigns.append(st)
+                        values.append(value)
+                elif key not in before or before[key] is not value:
+                    raise CaptureError(
+                        f"{st.describe()} is set to a {type(value).__name__} by the step; only tensor "
+                        "state can be compiled (the runtime would not repeat a Python-level update)"
+                    )
+        result.update(assigns=assigns, clears=clears)
+        return values
+
+    try:
+        gm = make_fx(torch.func.functionalize(traced), tracing_mode="fake")(*real_inputs)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(
+            f"tracing {type(opt).__name__}.step failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    return _TraceResult(
+        gm, tracker, result["assigns"], result["clears"], result["side_effects"],
+        result.get("counters", []),
+    )
+
+
+def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedStep:
+    """Trace ``opt.step()`` as it would run now into a :class:`CapturedStep`."""
+    import time
+
+    start = time.perf_counter()
+    slots = input_slots(opt)
+    if not slots:
+        raise CaptureError("no parameter has a gradient: there is no step to compile")
+    first = _trace(opt, slots, structural, salt=0)
+    second = _trace(opt, slots, structural, salt=1)
+    gm = first.gm
+    exprs = _lift_scalars(gm, second.gm, first.tracker, second.tracker)
+    outputs = _functional_outputs(gm, slots, first.assigns)
+    _finish_placeholders(gm, slots, exprs)
+    gm.recompile()
+    for effect in first.side_effects:
+        log.warning("capture: the step changes %s; the compiled step does not repeat that", effect)
+    return CapturedStep(
+        gm=gm,
+        inputs=tuple(slots),
+        outputs=tuple(outputs),
+        scalars=build_scalar_program(exprs),
+        guards=tuple(dict.fromkeys(first.tracker.guards)),
+        counters=tuple(first.counters),
+        clears_grads=tuple(first.clears),
+        ignored_side_effects=tuple(first.side_effects),
+        trace_seconds=time.perf_counter() - start,
+    )
+
+
+def _lift_scalars(
+    gm: fx.GraphModule, other: fx.GraphModule, ta: ScalarTracker, tb: ScalarTracker
+) -> list[Expr]:
+    """Replace hyperparameter-dependent constants by host scalar placeholders."""
+    nodes_a = list(gm.graph.nodes)
+    nodes_b = list(other.graph.nodes)
+    if [(n.op, n.target) for n in nodes_a] != [(n.op, n.target) for n in nodes_b]:
+        raise CaptureError(
+            "the step's program changes with hyperparameter values in a way that was not "
+            "recorded as a branch (two traces with different values gave different graphs)"
+        )
+    exprs: list[Expr] = []
+    placeholders: dict[Expr, fx.Node] = {}
+    last_input = [n for n in nodes_a if n.op == "placeholder"][-1]
+
+    def lift(node: fx.Node, a: Any, b: Any) -> Any:
+        if not isinstance(a, float) or isinstance(a, bool) or _same(a, b):
+            return a
+        common = [e for e in ta.by_payload.get(a, []) if e in set(tb.by_payload.get(b, []))]
+        if not common:
+            raise CaptureError(
+                f"a constant of `{node.format_node()}` depends on a hyperparameter but was computed "
+                "outside what hocompile can follow (e.g. math.sqrt(lr) or float(...) on it); "
+                "write the arithmetic with Python operators or mark the key structural"
+            )
+        expr = common[0]
+        if expr not in placeholders:
+            with gm.graph.inserting_after(last_input if not placeholders else list(placeholders.values())[-1]):
+                ph = gm.graph.placeholder(f"h{len(exprs)}")
+            ph.meta[ROLE] = expr
+            ph.meta["val"] = ta.real_value(expr)
+            placeholders[expr] = ph
+            exprs.append(expr)
+        return placeholders[expr]
+
+    for na, nb in zip(nodes_a, nodes_b):
+        if na.op != "call_function":
+            continue
+        flat_a, spec = pytree.tree_flatten((na.args, na.kwargs))
+        flat_b, _ = pytree.tree_flatten((nb.args, nb.kwargs))
+        if any(isinstance(a, float) and not _same(a, b) for a, b in zip(flat_a, flat_b)):
+            new = [lift(na, a, b) for a, b in zip(flat_a, flat_b)]
+            na.args, na.kwargs = pytree.tree_unflatten(new, spec)
+    for name in _tensor_constant_names(gm):
+        if not torch.equal(getattr(gm, name), getattr(other, name)):
+            raise CaptureError(f"a hyperparameter was baked into tensor constant {name}")
+    return exprs
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return bool(a == b)
+
+
+def _tensor_constant_names(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+
+
+def _functional_outputs(
+    gm: fx.GraphModule, slots: list[InputSlot], assigns: list[InputSlot]
+) -> list[OutputAction]:
+    """Turn trailing ``copy_(input, value)`` into graph outputs and write-backs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    slot_of = dict(zip(placeholders, slots))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    assigned_values = list(pytree.tree_leaves(output.args[0]))
+    copies: list[tuple[InputSlot, fx.Node]] = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
+            dest, value = node.args
+            if dest not in slot_of:
+                raise CaptureError(f"unexpected in-place copy into a non-input: {node.format_node()}")
+            copies.append((slot_of[dest], value))
+            gm.graph.erase_node(node)
+    actions = [OutputAction("assign", s) for s in assigns]
+    actions += [OutputAction("copy", s) for s, _ in copies]
+    output.args = (tuple(assigned_values) + tuple(v for _, v in copies),)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta.setdefault(ORIGIN, "capture")
+    return actions
+
+
+def _finish_placeholders(gm: fx.GraphModule, slots: list[InputSlot], exprs: list[Expr]) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, slot in zip(placeholders, slots):
+        node.meta[ROLE] = slot
+        node.name = node.target = slot.label()
+    gm.graph.eliminate_dead_code()

@@ -1,0 +1,196 @@
+"""Graph conventions shared by capture, passes and lowering.
+
+Every node hocompile touches carries a few ``node.meta`` keys:
+
+- ``ORIGIN``: the pass that created the node ("capture" for traced nodes);
+- ``ROLE``: for placeholders, what the input is (an :class:`InputSlot` for
+  tensors, the :class:`~hocompile.scalars.Expr` of a host scalar);
+- ``"val"``: the fake tensor (or float for a host scalar) make_fx recorded.
+
+:func:`print_graph` renders a graph for humans and expect tests: one line per
+node, names normalised by role and order, dtype and shape, and the pass that
+made the node; no ids, addresses or devices.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+ORIGIN = "hocompile.origin"
+ROLE = "hocompile.role"
+DECISION = "hocompile.decision"
+
+_DTYPE_SHORT = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "b8",
+}
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """Where a tensor input of the step graph lives in the optimizer."""
+
+    kind: str  # "param" | "grad" | "state"
+    group: int
+    index: int  # position in param_groups[group]["params"]
+    key: str = ""  # state key, for kind == "state"
+
+    def label(self) -> str:
+        base = {"param": "p", "grad": "g", "state": "s"}[self.kind]
+        suffix = f"_{_ident(self.key)}" if self.key else ""
+        return f"{base}{self.group}_{self.index}{suffix}"
+
+    def describe(self) -> str:
+        where = f"param_groups[{self.group}]['params'][{self.index}]"
+        if self.kind == "param":
+            return where
+        if self.kind == "grad":
+            return f"{where}.grad"
+        return f"state[{where}][{self.key!r}]"
+
+
+def _ident(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text)
+
+
+class GraphInvalid(AssertionError):
+    """Raised by :func:`verify` when a pass left the graph malformed."""
+
+
+def verify(gm: fx.GraphModule) -> None:
+    """Check the invariants every pass must preserve.
+
+    - FX lint (topological order, defined names, one output);
+    - placeholders first, each with a ROLE;
+    - no in-place aten op (the graph is functional; the runtime writes back);
+    - every call node has an ORIGIN and a ``val``.
+    """
+    try:
+        gm.graph.lint()
+    except Exception as exc:  # fx raises plain RuntimeError with a good message
+        raise GraphInvalid(f"fx lint failed: {exc}") from exc
+    seen_body = False
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if seen_body:
+                raise GraphInvalid(f"placeholder {node.name} after a body node")
+            if ROLE not in node.meta:
+                raise GraphInvalid(f"placeholder {node.name} has no {ROLE}")
+            continue
+        if node.op == "output":
+            continue
+        seen_body = True
+        if node.op == "call_function":
+            if ORIGIN not in node.meta:
+                raise GraphInvalid(f"{node.format_node()} has no {ORIGIN}")
+            if _is_inplace(node.target):
+                raise GraphInvalid(f"in-place op left in the graph: {node.format_node()}")
+
+
+def _is_inplace(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+# --------------------------------------------------------------------- printing
+
+
+def describe_value(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        dtype = _DTYPE_SHORT.get(val.dtype, str(val.dtype).replace("torch.", ""))
+        return f"{dtype}[{', '.join(str(int(s)) for s in val.shape)}]"
+    if isinstance(val, float):
+        return "f64 (host)"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(describe_value(v) for v in val) + ")"
+    return type(val).__name__
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        name = target._schema.name.split("::")[-1]
+        overload = target._overloadname
+        return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
+    if target in (operator.getitem,):
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def _format_arg(arg: Any, names: dict[fx.Node, str]) -> str:
+    if isinstance(arg, fx.Node):
+        return names[arg]
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_format_arg(a, names) for a in arg)
+        return f"[{inner}]"
+    if isinstance(arg, float):
+        return repr(arg)
+    if isinstance(arg, torch.dtype):
+        return _DTYPE_SHORT.get(arg, str(arg))
+    if isinstance(arg, torch.memory_format):
+        return str(arg).replace("torch.", "")
+    if isinstance(arg, torch.device):
+        return "device"  # devices are not part of the printed contract
+    return repr(arg)
+
+
+def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
+    """Render ``gm`` as stable, readable text (the expect-test format)."""
+    names: dict[fx.Node, str] = {}
+    lines: list[str] = []
+    counter = 0
+    inputs: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            role = node.meta.get(ROLE)
+            if isinstance(role, InputSlot):
+                names[node] = role.label()
+                inputs.append(f"  {names[node]}: {describe_value(node.meta.get('val'))}  # {role.describe()}")
+            else:
+                names[node] = f"h{len([n for n in names.values() if n.startswith('h')])}"
+                expr = getattr(role, "pretty", lambda: "?")()
+                inputs.append(f"  {names[node]}: f64 (host) = {expr}")
+            continue
+        if node.op == "output":
+            outs = node.args[0]
+            rendered = ", ".join(_format_arg(o, names) for o in outs)
+            lines.append(f"  return ({rendered})")
+            continue
+        names[node] = f"t{counter}"
+        counter += 1
+        args = [_format_arg(a, names) for a in node.args]
+        args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
+        head = f"  {names[node]}: {describe_value(node.meta.get('val'))} = "
+        call = f"{_target_name(node.target)}({', '.join(args)})"
+        notes = [node.meta.get(ORIGIN, "?")]
+        if DECISION in node.meta:
+            notes.append(str(node.meta[DECISION]))
+        lines.append(f"{head}{call}  # {'; '.join(notes)}")
+    return "\n".join([f"graph {title}(", *inputs, "):", *lines]) + "\n"
+
+
+def graph_stats(gm: fx.GraphModule) -> dict[str, int]:
+    """Counts shown by explain(): inputs by kind and body ops."""
+    stats = {"tensor inputs": 0, "host scalars": 0, "ops": 0, "matmuls": 0}
+    matmuls = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            key = "tensor inputs" if isinstance(node.meta.get(ROLE), InputSlot) else "host scalars"
+            stats[key] += 1
+        elif node.op == "call_function":
+            stats["ops"] += 1
+            if _target_name(node.target).split(".")[1:2] and _target_name(node.target).split(".")[1] in matmuls:
+                stats["matmuls"] += 1
+    return stats

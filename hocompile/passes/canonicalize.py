@@ -1,0 +1,89 @@
+"""canonicalize: drop what tracing leaves behind and nothing reads.
+
+Before::
+
+    t5 = aten.scalar_tensor(0.0)
+    t6 = aten.lift_fresh_copy(t5)
+    t7 = aten.detach(t6)
+    t8 = aten.add.Tensor(t7, 1)
+    t9 = aten.detach(t8)            # returned as new state
+    t10 = aten.clone(t3)            # read only by t11
+    t11 = aten.mul.Tensor(t10, h0)
+
+After::
+
+    t5 = aten.scalar_tensor(0.0)
+    t8 = aten.add.Tensor(t5, 1)
+    t11 = aten.mul.Tensor(t3, h0)
+
+``detach`` and ``alias`` are identities in a no-grad functional graph;
+``lift_fresh_copy`` and ``clone`` are copies, which a functional graph never
+needs unless the copy is an output whose source is also an output or input (two
+state slots must not end up sharing one tensor). A ``_to_copy`` to the dtype
+and layout the value already has is the same kind of copy. Then dead code goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.fx as fx
+
+from .base import Pass, PassResult
+
+aten = torch.ops.aten
+_IDENTITIES = {aten.detach.default, aten.alias.default}
+_COPIES = {aten.lift_fresh_copy.default, aten.clone.default}
+
+
+@dataclass(frozen=True)
+class Canonicalize(Pass):
+    name: ClassVar[str] = "canonicalize"
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        returned = set(output.args[0])
+        removed = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or not self._is_removable(node, returned):
+                continue
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed += 1
+        before = len(gm.graph.nodes)
+        gm.graph.eliminate_dead_code()
+        dead = before - len(gm.graph.nodes)
+        # An output list may now name one node twice (two slots, one value):
+        # each write-back then needs its own tensor, so keep a clone there.
+        seen: set[fx.Node] = set()
+        outs = list(output.args[0])
+        for i, value in enumerate(outs):
+            if value in seen or value.op == "placeholder":
+                with gm.graph.inserting_before(output):
+                    outs[i] = gm.graph.call_function(aten.clone.default, (value,))
+                outs[i].meta.update(value.meta)
+                outs[i].meta["hocompile.origin"] = self.name
+            seen.add(outs[i])
+        output.args = (tuple(outs),)
+        gm.recompile()
+        changed = bool(removed or dead)
+        summary = f"removed {removed} identity/copy ops and {dead} dead nodes" if changed else self.decline(
+            "nothing to remove"
+        )
+        return PassResult(gm, changed, summary)
+
+    @staticmethod
+    def _is_removable(node: fx.Node, returned: set[fx.Node]) -> bool:
+        if node.target in _IDENTITIES:
+            return True
+        if node.target in _COPIES:
+            return node not in returned
+        if node.target is aten._to_copy.default and node not in returned:
+            src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            val = node.meta.get("val")
+            same = src is not None and val is not None and src.dtype == val.dtype
+            only_dtype = set(node.kwargs) <= {"dtype"}
+            return bool(same and only_dtype)
+        return False

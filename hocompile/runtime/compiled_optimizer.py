@@ -1,0 +1,300 @@
+"""CompiledOptimizer: a drop-in for the optimizer it wraps.
+
+``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's
+objects, so ``state_dict()`` is the eager format, schedulers that edit
+``param_groups`` work unchanged, and the eager optimizer can take over at any
+time. Each ``step()``:
+
+1. computes the guard signature (params, grads, state, structural options);
+2. finds a compiled step for it whose hyperparameter branches still hold, or
+   validates the inputs and compiles one (capture -> passes -> lowering);
+3. evaluates the host scalars from the live hyperparameters, runs the graph
+   functionally, and only then writes every result back.
+
+An error at any point before the write-back leaves params and state as they
+were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from ..capture import CapturedStep, unwrapped_step, capture, slot_tensor
+from ..graph import print_graph
+from ..host_scalars import CaptureError
+from ..lowering import LoweredStep, cache_key, lower_to_aten
+from ..passes import PIPELINE, Pass, PassRecord, run_pipeline
+from ..settings import Settings
+from .cache import DiskCache
+from .guards import Signature, describe_change, signature
+from .validate import validate
+
+log = logging.getLogger("hocompile")
+
+
+@dataclass
+class Counters:
+    compiles: int = 0
+    cache_hits: int = 0
+    disk_hits: int = 0
+    eager_fallbacks: int = 0
+    recompiles: list[str] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "compiles": self.compiles,
+            "cache_hits": self.cache_hits,
+            "disk_hits": self.disk_hits,
+            "eager_fallbacks": self.eager_fallbacks,
+            "recompiles": list(self.recompiles),
+        }
+
+
+@dataclass
+class CompiledEntry:
+    """One compiled step and how it was made (what explain() reports)."""
+
+    captured: CapturedStep | None
+    lowered: LoweredStep | None
+    passes: list[PassRecord]
+    final_graph: str
+    compile_seconds: float
+    pass_seconds: float
+    lower_seconds: float
+    reason: str  # why it was compiled: "first step" or the recompile reason
+    fallback: str = ""  # non-empty: this signature runs eagerly, and why
+
+
+class CompiledOptimizer(torch.optim.Optimizer):
+    """Runs the wrapped optimizer's step as a compiled graph."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        settings: Settings | None = None,
+        pipeline: tuple[Pass, ...] = PIPELINE,
+    ) -> None:
+        # Optimizer.__init__ is deliberately not called: it would copy the
+        # param groups, and ours must stay the wrapped optimizer's own.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"compile_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, CompiledOptimizer):
+            raise TypeError("this optimizer is already compiled")
+        self._inner = optimizer
+        self._settings = settings or Settings.resolve()
+        self._pipeline = pipeline
+        self._disk = DiskCache(self._settings.cache_dir)
+        self._entries: dict[Signature, list[CompiledEntry]] = {}
+        self._last_signature: Signature | None = None
+        self.history: list[CompiledEntry] = []
+        self.counters = Counters()
+        self.steps = 0
+        # Set when a step created optimizer state (eager's lazy first-step
+        # init): the next step needs the steady-state graph, which is expected
+        # and not counted as a recompile.
+        self._created_state = False
+
+    # -- the wrapped optimizer's own objects -------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._inner
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        # Hook dicts and anything else Optimizer methods expect live on the
+        # wrapped optimizer. `_inner` itself must not recurse (unpickling).
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"CompiledOptimizer({self._inner!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # The next step's signature differs, so it recompiles with that reason.
+        self._inner.add_param_group(param_group)
+
+    # -- stepping ----------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        args: tuple[Any, ...] = (self,)
+        kwargs: dict[str, Any] = {}
+        hooks = chain(_global_optimizer_pre_hooks.values(), self._inner._optimizer_step_pre_hooks.values())
+        for pre_hook in hooks:
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                raise RuntimeError("hocompile: step pre-hooks that replace the step's arguments are not supported")
+        with torch.no_grad():
+            self._step()
+        for post_hook in chain(self._inner._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+            post_hook(self, args, kwargs)
+        return loss
+
+    def _step(self) -> None:
+        structural = self._settings.structural_keys
+        sig = signature(self._inner, structural)
+        candidates = self._entries.get(sig, [])
+        env: dict[str, float] | None = None
+        entry: CompiledEntry | None = None
+        failed_guard = ""
+        for candidate in candidates:
+            if candidate.captured is None:  # an eager fallback for this signature
+                entry = candidate
+                break
+            env = self._host_env(candidate.captured)
+            broken = next((g for g in candidate.captured.guards if not g.holds(env)), None)
+            if broken is None:
+                entry = candidate
+                break
+            failed_guard = f"guard failed: {broken.describe()} no longer holds"
+        if entry is None:
+            reason = failed_guard or (
+                "first step" if self._last_signature is None else describe_change(self._last_signature, sig)
+            )
+            expected = self._created_state and reason.startswith("state of")
+            if expected:
+                reason = "steady state: the previous step created the optimizer state"
+            entry = self._compile(sig, reason, expected)
+            env = None
+        else:
+            self.counters.cache_hits += 1
+        self._last_signature = sig
+        self._created_state = False
+        self.steps += 1
+        if entry.captured is None:
+            self.counters.eager_fallbacks += 1
+            unwrapped_step(self._inner)(self._inner)
+            return
+        self._run(entry, env)
+
+    def _host_env(self, captured: CapturedStep) -> dict[str, float]:
+        env: dict[str, float] = {}
+        for g, group in enumerate(self._inner.param_groups):
+            for key, value in group.items():
+                if isinstance(value, float):
+                    env[f"g{g}.{key}"] = value
+                elif isinstance(value, (tuple, list)) and value and isinstance(value[0], float):
+                    for i, v in enumerate(value):
+                        env[f"g{g}.{key}[{i}]"] = float(v)
+        for counter in captured.counters:
+            env[counter.name] = float(slot_tensor(self._inner, counter.slot).item())
+        return env
+
+    def _run(self, entry: CompiledEntry, env: dict[str, float] | None) -> None:
+        captured, lowered = entry.captured, entry.lowered
+        assert captured is not None and lowered is not None
+        if env is None:
+            env = self._host_env(captured)
+        opt = self._inner
+        tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
+        outputs = lowered.run(tensors + list(captured.scalars(env)))
+        # Everything is computed; only now does anything change.
+        for action, value in zip(captured.outputs, outputs):
+            slot = action.slot
+            if action.mode == "copy":
+                slot_tensor(opt, slot).copy_(value)
+            else:
+                p = opt.param_groups[slot.group]["params"][slot.index]
+                opt.state[p][slot.key] = value
+        self._created_state = any(a.mode == "assign" for a in captured.outputs)
+        for g, i in captured.clears_grads:
+            opt.param_groups[g]["params"][i].grad = None
+
+    def _compile(self, sig: Signature, reason: str, expected: bool = False) -> CompiledEntry:
+        validate(self._inner)
+        start = time.perf_counter()
+        try:
+            captured = capture(self._inner, self._settings.structural_keys)
+        except CaptureError as exc:
+            if self._settings.fallback != "eager":
+                raise
+            log.warning("hocompile: running %s eagerly: %s", type(self._inner).__name__, exc)
+            entry = CompiledEntry(None, None, [], "", time.perf_counter() - start, 0.0, 0.0, reason, str(exc))
+            return self._remember(sig, entry, expected)
+        gm = captured.gm
+        dump = self._settings.dump_dir
+        dump_here = dump / f"compile-{self.counters.compiles + 1:03d}" if dump is not None else None
+        pass_start = time.perf_counter()
+        gm, records = run_pipeline(gm, self._pipeline, self._settings.disabled_passes, dump_here)
+        pass_seconds = time.perf_counter() - pass_start
+        identity = ";".join(p.identity() for p in self._pipeline if p.name not in self._settings.disabled_passes)
+        key = cache_key(gm, identity)
+        lower_start = time.perf_counter()
+        header = self._header(key, records)
+        lowered = lower_to_aten(gm, key, self._disk, header)
+        lower_seconds = time.perf_counter() - lower_start
+        self.counters.disk_hits += int(lowered.from_disk)
+        final = print_graph(gm)
+        if dump_here is not None:
+            (dump_here / "lowered.py").write_text(lowered.source)
+        if self._settings.debug >= 2:
+            log.debug("hocompile final graph:\n%s", final)
+        entry = CompiledEntry(
+            captured, lowered, records, final, time.perf_counter() - start, pass_seconds, lower_seconds, reason
+        )
+        return self._remember(sig, entry, expected)
+
+    def _remember(self, sig: Signature, entry: CompiledEntry, expected: bool) -> CompiledEntry:
+        if self.counters.compiles and not expected:
+            self.counters.recompiles.append(entry.reason)
+            log.info("hocompile: recompiling %s: %s", type(self._inner).__name__, entry.reason)
+        self.counters.compiles += 1
+        self._entries.setdefault(sig, []).append(entry)
+        self.history.append(entry)
+        return entry
+
+    def _header(self, key: str, records: list[PassRecord]) -> str:
+        passes = ", ".join(f"{r.name} ({r.status})" for r in records) or "none"
+        return "\n".join(
+            [
+                f"# Generated by hocompile for {type(self._inner).__module__}.{type(self._inner).__name__}.step",
+                f"# cache key {key[:16]}; passes: {passes}",
+                "# forward(self, <tensor inputs>, <host scalars>) -> outputs written back by the runtime",
+            ]
+        )

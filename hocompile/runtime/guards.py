@@ -1,0 +1,125 @@
+"""What a compiled step assumed, checked before every step.
+
+The signature covers everything that changes the traced program: which
+params exist and have grads, their shapes, dtypes, devices and layouts, the
+optimizer state's tensors, and the structural (non-hyperparameter) options of
+every group. Hyperparameter *values* are not in it: they are runtime inputs.
+Branches taken on hyperparameter values are separate guards (see scalars.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..host_scalars import is_hyperparameter
+
+TensorSig = tuple[tuple[int, ...], torch.dtype, str, torch.layout]
+
+
+@dataclass(frozen=True)
+class ParamSig:
+    ident: int
+    param: TensorSig
+    grad: TensorSig | None
+    state: tuple[tuple[str, Any], ...]  # (key, TensorSig or frozen Python value)
+
+
+@dataclass(frozen=True)
+class GroupSig:
+    options: tuple[tuple[str, Any], ...]  # structural values; ("hyper", n) for hyperparameters
+    params: tuple[ParamSig, ...]
+
+
+Signature = tuple[GroupSig, ...]
+
+
+def _tensor_sig(t: torch.Tensor) -> TensorSig:
+    return (tuple(t.shape), t.dtype, str(t.device), t.layout)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor",) + _tensor_sig(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", type(value).__name__, id(value))
+    return value
+
+
+def signature(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Signature:
+    groups: list[GroupSig] = []
+    for group in opt.param_groups:
+        options: list[tuple[str, Any]] = []
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if is_hyperparameter(key, value, structural):
+                options.append((key, ("hyper", len(value) if isinstance(value, (tuple, list)) else 0)))
+            else:
+                options.append((key, _freeze(value)))
+        params: list[ParamSig] = []
+        for p in group["params"]:
+            grad = p.grad
+            state = opt.state.get(p, {})
+            params.append(
+                ParamSig(
+                    id(p),
+                    _tensor_sig(p),
+                    None if grad is None else _tensor_sig(grad),
+                    tuple(sorted((k, _freeze(v)) for k, v in state.items())),
+                )
+            )
+        groups.append(GroupSig(tuple(sorted(options)), tuple(params)))
+    return tuple(groups)
+
+
+def describe_change(old: Signature, new: Signature) -> str:
+    """The first difference between two signatures, in the user's terms."""
+    if len(old) != len(new):
+        return f"number of param groups changed {len(old)} -> {len(new)}"
+    for g, (a, b) in enumerate(zip(old, new)):
+        if a.options != b.options:
+            da, db = dict(a.options), dict(b.options)
+            for key in sorted(set(da) | set(db), key=str):
+                if da.get(key) != db.get(key):
+                    return f"param_groups[{g}][{key!r}] changed {_show(da.get(key))} -> {_show(db.get(key))}"
+        if len(a.params) != len(b.params):
+            return f"param_groups[{g}] has {len(b.params)} params, was {len(a.params)}"
+        for i, (pa, pb) in enumerate(zip(a.params, b.params)):
+            where = f"param_groups[{g}]['params'][{i}]"
+            if pa.ident != pb.ident:
+                return f"{where} is a different tensor"
+            if pa.param != pb.param:
+                return f"{where} changed {_show_t(pa.param)} -> {_show_t(pb.param)}"
+            if (pa.grad is None) != (pb.grad is None):
+                return f"{where}.grad " + ("became None" if pb.grad is None else "is no longer None")
+            if pa.grad != pb.grad:
+                return f"{where}.grad changed {_show_t(pa.grad)} -> {_show_t(pb.grad)}"
+            if pa.state != pb.state:
+                ka, kb = {k for k, _ in pa.state}, {k for k, _ in pb.state}
+                if ka != kb:
+                    return f"state of {where} keys changed {sorted(ka)} -> {sorted(kb)}"
+                return f"state of {where} changed shape, dtype or value"
+    return "guards differ"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and value[:1] == ("hyper",):
+        return "a float hyperparameter"
+    return repr(value)
+
+
+def _show_t(sig: TensorSig | None) -> str:
+    if sig is None:
+        return "None"
+    shape, dtype, device, layout = sig
+    extra = "" if layout == torch.strided else f" {layout}"
+    return f"{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}{extra}"

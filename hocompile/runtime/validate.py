@@ -1,0 +1,61 @@
+"""Inputs hocompile refuses, with the group, index, shape and reason.
+
+Run before anything is traced or mutated, so a refused step leaves params
+and optimizer state exactly as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class UnsupportedParameterError(ValueError):
+    """A parameter (or its gradient) cannot be stepped by the compiled optimizer."""
+
+
+def _needs_matrices(opt: torch.optim.Optimizer) -> tuple[bool, bool]:
+    """(is a matrix optimizer, requires exactly 2-D) for the Muon family."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is not None and isinstance(opt, muon):
+        return True, True
+    name = type(opt).__name__
+    module = type(opt).__module__
+    if "Muon" in name or module.startswith("emerging_optimizers.orthogonalized_optimizers"):
+        return True, False
+    return False, False
+
+
+def validate(opt: torch.optim.Optimizer) -> None:
+    matrices, exactly_2d = _needs_matrices(opt)
+    kind = type(opt).__name__
+    device: tuple[torch.device, str] | None = None
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            where = f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}, {str(p.dtype).replace('torch.', '')})"
+
+            def refuse(reason: str, where: str = where) -> UnsupportedParameterError:
+                return UnsupportedParameterError(f"hocompile cannot step {where}: {reason}")
+
+            if p.grad is None:
+                continue  # skipped exactly as eager does
+            if p.is_complex():
+                raise refuse("complex parameters are not supported")
+            if not p.is_floating_point():
+                raise refuse("integer and bool parameters have no gradient step")
+            if p.grad.layout != torch.strided:
+                raise refuse(f"its gradient is {p.grad.layout} (sparse gradients are not supported)")
+            if p.grad.shape != p.shape:
+                raise refuse(f"its gradient has shape {tuple(p.grad.shape)}")
+            if matrices and (p.ndim != 2 if exactly_2d else p.ndim < 2):
+                need = "2-D" if exactly_2d else "at least 2-D"
+                raise refuse(
+                    f"{kind} orthogonalizes matrices and needs {need} parameters; "
+                    "optimize this one with AdamW or similar"
+                )
+            if device is None:
+                device = (p.device, where)
+            elif p.device != device[0] or p.grad.device != p.device:
+                raise refuse(
+                    f"it is on {p.device} (grad on {p.grad.device}) but {device[1]} is on {device[0]}; "
+                    "all parameters of one compiled optimizer must share a device"
+                )

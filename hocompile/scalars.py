@@ -1,0 +1,302 @@
+"""Hyperparameters as runtime inputs: exact host-side scalar expressions.
+
+During capture every schedulable hyperparameter (lr, momentum, betas, weight
+decay, eps, step counters) is handed to the optimizer as a :class:`HyperParam`:
+a ``float`` whose *payload* is a unique sentinel value and which records the
+arithmetic done on it as an :class:`Expr` tree. When a derived value such as
+``1 - lr * weight_decay`` reaches an aten op, the graph holds the sentinel; the
+capture later swaps that constant for a scalar input whose expression the
+runtime evaluates on the host before every step.
+
+Why our own expression trees rather than sympy: eager Python evaluates
+``lr * ratio`` left to right in IEEE doubles. sympy canonicalises and
+reassociates (``(a*b)*c`` may become ``a*(b*c)``), which changes the last bit.
+Replaying the exact operation order keeps the compiled step bit-identical to
+eager.
+
+Branches on hyperparameters (``if weight_decay != 0``) are decided on the
+*real* value and recorded as :class:`Guard` s, so a schedule that crosses a
+branch recompiles instead of silently running the wrong program.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+Number = Union[int, float]
+
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "/": operator.truediv,
+    "**": operator.pow,
+}
+_UNARY: dict[str, Callable[[Any], Any]] = {"neg": operator.neg, "pos": operator.pos, "abs": abs}
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A node of a host scalar expression; leaves are inputs or constants."""
+
+    op: str  # "input", "const", a key of _BINARY or _UNARY
+    args: tuple[Expr, ...] = ()
+    name: str = ""  # for "input": e.g. "g0.lr", "state[g0.p1].step"
+    value: float = 0.0  # for "const"
+
+    def inputs(self) -> set[str]:
+        if self.op == "input":
+            return {self.name}
+        out: set[str] = set()
+        for a in self.args:
+            out |= a.inputs()
+        return out
+
+    def evaluate(self, env: dict[str, float]) -> float:
+        if self.op == "input":
+            return env[self.name]
+        if self.op == "const":
+            return self.value
+        if self.op in _UNARY:
+            return _UNARY[self.op](self.args[0].evaluate(env))
+        return _BINARY[self.op](self.args[0].evaluate(env), self.args[1].evaluate(env))
+
+    def render(self, names: dict[str, str] | None = None) -> str:
+        """Python source for this expression; ``names`` maps inputs to identifiers."""
+        if self.op == "input":
+            return names[self.name] if names else self.name
+        if self.op == "const":
+            return repr(self.value)
+        if self.op == "neg":
+            return f"(-{self.args[0].render(names)})"
+        if self.op == "pos":
+            return f"(+{self.args[0].render(names)})"
+        if self.op == "abs":
+            return f"abs({self.args[0].render(names)})"
+        left, right = (a.render(names) for a in self.args)
+        return f"({left} {self.op} {right})"
+
+    def pretty(self) -> str:
+        """Human rendering without the outermost parentheses."""
+        text = self.render()
+        if text.startswith("(") and text.endswith(")") and _balanced(text[1:-1]):
+            return text[1:-1]
+        return text
+
+
+def _balanced(text: str) -> bool:
+    depth = 0
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def const(value: float) -> Expr:
+    return Expr("const", value=float(value))
+
+
+def input_expr(name: str) -> Expr:
+    return Expr("input", name=name)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A branch decision taken during capture: ``lhs <op> rhs`` was ``outcome``."""
+
+    lhs: Expr
+    op: str
+    rhs: Expr
+    outcome: bool
+
+    def holds(self, env: dict[str, float]) -> bool:
+        return _COMPARE[self.op](self.lhs.evaluate(env), self.rhs.evaluate(env)) == self.outcome
+
+    def describe(self) -> str:
+        return f"({self.lhs.pretty()} {self.op} {self.rhs.pretty()}) is {self.outcome}"
+
+
+@dataclass
+class ScalarTracker:
+    """Collects every HyperParam made during one trace and the guards taken."""
+
+    real: dict[str, float]  # input name -> real value
+    by_payload: dict[float, list[Expr]] = field(default_factory=dict)
+    guards: list[Guard] = field(default_factory=list)
+
+    def make(self, payload: float, expr: Expr) -> HyperParam:
+        hp = HyperParam(payload, expr, self)
+        self.by_payload.setdefault(float(payload), []).append(expr)
+        return hp
+
+    def real_value(self, expr: Expr) -> float:
+        return expr.evaluate(self.real)
+
+
+def _as_expr(x: Any) -> Expr | None:
+    if isinstance(x, HyperParam):
+        return x.expr
+    if isinstance(x, bool):
+        return const(float(x))
+    if isinstance(x, (int, float)):
+        return const(x)
+    return None
+
+
+class HyperParam(float):
+    """A float that remembers how it was computed from hyperparameters.
+
+    Its float value is a sentinel: it flows into the traced aten graph, where
+    the capture recognises it. Comparisons and ``bool`` use the real value.
+    """
+
+    expr: Expr
+    tracker: ScalarTracker
+
+    def __new__(cls, payload: float, expr: Expr, tracker: ScalarTracker) -> HyperParam:
+        obj = super().__new__(cls, payload)
+        obj.expr = expr
+        obj.tracker = tracker
+        return obj
+
+    # -- arithmetic: build a new HyperParam, payload computed like Python would
+    def _binary(self, other: Any, op: str, reflected: bool) -> Any:
+        other_expr = _as_expr(other)
+        if other_expr is None:
+            return NotImplemented  # let a Tensor's reflected operator take over
+        fn = _BINARY[op]
+        a, b = (float(other), float(self)) if reflected else (float(self), float(other))
+        ea, eb = (other_expr, self.expr) if reflected else (self.expr, other_expr)
+        if ea.op == "const" and eb.op == "const":
+            # Python folds nothing either: the same op on the same doubles.
+            return self.tracker.make(fn(a, b), const(fn(ea.value, eb.value)))
+        return self.tracker.make(fn(a, b), Expr(op, (ea, eb)))
+
+    def __add__(self, o: Any) -> Any:
+        return self._binary(o, "+", False)
+
+    def __radd__(self, o: Any) -> Any:
+        return self._binary(o, "+", True)
+
+    def __sub__(self, o: Any) -> Any:
+        return self._binary(o, "-", False)
+
+    def __rsub__(self, o: Any) -> Any:
+        return self._binary(o, "-", True)
+
+    def __mul__(self, o: Any) -> Any:
+        return self._binary(o, "*", False)
+
+    def __rmul__(self, o: Any) -> Any:
+        return self._binary(o, "*", True)
+
+    def __truediv__(self, o: Any) -> Any:
+        return self._binary(o, "/", False)
+
+    def __rtruediv__(self, o: Any) -> Any:
+        return self._binary(o, "/", True)
+
+    def __pow__(self, o: Any, mod: Any = None) -> Any:
+        return self._binary(o, "**", False)
+
+    def __rpow__(self, o: Any, mod: Any = None) -> Any:
+        return self._binary(o, "**", True)
+
+    def __neg__(self) -> HyperParam:
+        return self.tracker.make(-float(self), Expr("neg", (self.expr,)))
+
+    def __pos__(self) -> HyperParam:
+        return self
+
+    def __abs__(self) -> HyperParam:
+        return self.tracker.make(abs(float(self)), Expr("abs", (self.expr,)))
+
+    # -- decisions: taken on the real value, remembered as guards
+    def _compare(self, other: Any, op: str) -> Any:
+        other_expr = _as_expr(other)
+        if other_expr is None:
+            return NotImplemented
+        real_self = self.tracker.real_value(self.expr)
+        real_other = self.tracker.real_value(other_expr)
+        outcome = _COMPARE[op](real_self, real_other)
+        self.tracker.guards.append(Guard(self.expr, op, other_expr, outcome))
+        return outcome
+
+    def __eq__(self, o: object) -> Any:
+        return self._compare(o, "==")
+
+    def __ne__(self, o: object) -> Any:
+        return self._compare(o, "!=")
+
+    def __lt__(self, o: Any) -> Any:
+        return self._compare(o, "<")
+
+    def __le__(self, o: Any) -> Any:
+        return self._compare(o, "<=")
+
+    def __gt__(self, o: Any) -> Any:
+        return self._compare(o, ">")
+
+    def __ge__(self, o: Any) -> Any:
+        return self._compare(o, ">=")
+
+    def __bool__(self) -> bool:
+        return bool(self._compare(0.0, "!="))
+
+    def __hash__(self) -> int:
+        return float.__hash__(self)
+
+    def __repr__(self) -> str:
+        return f"HyperParam({self.expr.pretty()})"
+
+
+def sentinel(real: float, index: int, salt: int) -> float:
+    """A payload for input ``index`` that no natural constant will equal.
+
+    It is the real value nudged by a few parts in 2**32: close enough that
+    signs and orderings the step's arithmetic depends on survive (``1 - beta2
+    ** step`` stays positive for beta2 = 0.999), different per input and per
+    trace (``salt``), so two traces tell hyperparameter-dependent constants
+    from fixed ones. A zero becomes a tiny positive number for the same reason.
+    """
+    nudge = (1 + index + 64 * salt) * 2.0**-32
+    if real == 0.0:
+        return nudge * 2.0**-8
+    return real * (1.0 + nudge)
+
+
+@dataclass(frozen=True)
+class ScalarProgram:
+    """Evaluates the graph's scalar inputs from the live hyperparameter values."""
+
+    input_names: tuple[str, ...]
+    exprs: tuple[Expr, ...]
+    source: str
+    fn: Callable[..., tuple[float, ...]]
+
+    def __call__(self, env: dict[str, float]) -> tuple[float, ...]:
+        return self.fn(*(env[n] for n in self.input_names))
+
+
+def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
+    """Generate one Python function computing every expression in eager order."""
+    names = sorted(set().union(*(e.inputs() for e in exprs))) if exprs else []
+    idents = {n: f"h{i}" for i, n in enumerate(names)}
+    body = ", ".join(e.render(idents) for e in exprs)
+    source = f"def scalar_program({', '.join(idents.values())}):\n    return ({body}{',' if exprs else ''})\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<hocompile scalar program>", "exec"), namespace)
+    return ScalarProgram(tuple(names), tuple(exprs), source, namespace["scalar_program"])

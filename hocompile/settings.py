@@ -1,0 +1,64 @@
+"""User settings: explicit arguments win over environment variables.
+
+- ``HOCOMPILE_DEBUG``: 0 quiet (default), 1 log compiles and recompiles,
+  2 also log each pass and print the final graph.
+- ``HOCOMPILE_DUMP_DIR``: write graphs before/after each pass and the lowered
+  module there.
+- ``HOCOMPILE_CACHE_DIR``: where generated modules live (default
+  ``~/.cache/hocompile``).
+- ``HOCOMPILE_DISABLE_PASSES``: comma-separated pass names to skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .host_scalars import STRUCTURAL_KEYS
+from .runtime.cache import default_cache_dir
+
+FALLBACKS = ("error", "eager")
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    dump_dir: Path | None = None
+    disabled_passes: frozenset[str] = frozenset()
+    debug: int = 0
+    fallback: str = "error"
+    structural_keys: frozenset[str] = STRUCTURAL_KEYS
+
+    @staticmethod
+    def resolve(
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        dump_dir: str | os.PathLike[str] | None = None,
+        disable_passes: tuple[str, ...] | list[str] | None = None,
+        debug: int | None = None,
+        fallback: str = "error",
+        structural_keys: tuple[str, ...] | list[str] = (),
+    ) -> Settings:
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        env_dump = os.environ.get("HOCOMPILE_DUMP_DIR")
+        env_disabled = os.environ.get("HOCOMPILE_DISABLE_PASSES", "")
+        env_debug = os.environ.get("HOCOMPILE_DEBUG", "0")
+        try:
+            debug_level = int(env_debug) if debug is None else debug
+        except ValueError as exc:
+            raise ValueError(f"HOCOMPILE_DEBUG must be an integer level, got {env_debug!r}") from exc
+        disabled = disable_passes if disable_passes is not None else env_disabled.split(",")
+        settings = Settings(
+            cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+            dump_dir=Path(dump_dir) if dump_dir is not None else (Path(env_dump) if env_dump else None),
+            disabled_passes=frozenset(d.strip() for d in disabled if d.strip()),
+            debug=debug_level,
+            fallback=fallback,
+            structural_keys=STRUCTURAL_KEYS | frozenset(structural_keys),
+        )
+        if debug_level:
+            logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)
+        return settings

@@ -1,0 +1,111 @@
+"""Shared test helpers: paired eager/compiled optimizers fed identical grads."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import typing_extensions
+
+import hocompile
+
+# emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12).
+if not hasattr(typing, "override"):
+    typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """Keller Jordan's reference NS, as users paste it into their optimizers."""
+    assert G.ndim >= 2
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    X = G.bfloat16()
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    return X
+
+
+class UserMuon(torch.optim.Optimizer):
+    """A user-written Muon in the style of Keller Jordan's muon.py."""
+
+    def __init__(self, params: Any, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95) -> None:
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=5))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp_(buf, group["momentum"])
+                update = zeropower_via_newtonschulz5(update, group["ns_steps"])
+                update *= max(1, p.size(-2) / p.size(-1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.reshape(p.shape), alpha=-group["lr"])
+
+
+def emerging_muon(params: Any, **kw: Any) -> torch.optim.Optimizer:
+    from emerging_optimizers.orthogonalized_optimizers import Muon
+
+    return Muon(params, **kw)
+
+
+def make_params(shapes: Sequence[tuple[int, ...]], seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=dtype) for s in shapes]
+
+
+class Pair:
+    """An eager optimizer and a compiled copy, stepped with identical grads."""
+
+    def __init__(
+        self,
+        factory: Callable[[Any], torch.optim.Optimizer],
+        shapes: Sequence[tuple[int, ...]],
+        cache_dir: Any,
+        groups: Callable[[list[torch.Tensor]], Any] | None = None,
+        **compile_kw: Any,
+    ) -> None:
+        self.eager_params = make_params(shapes)
+        self.compiled_params = [p.clone() for p in self.eager_params]
+        wrap = groups or (lambda ps: ps)
+        self.eager = factory(wrap(self.eager_params))
+        self.compiled = hocompile.compile_optimizer(factory(wrap(self.compiled_params)), cache_dir=cache_dir, **compile_kw)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def step(self, none_grads: Sequence[int] = ()) -> None:
+        for i, (pe, pc) in enumerate(zip(self.eager_params, self.compiled_params)):
+            if i in none_grads:
+                pe.grad = pc.grad = None
+                continue
+            g = torch.randn(pe.shape, generator=self.gen, dtype=pe.dtype)
+            pe.grad, pc.grad = g.clone(), g.clone()
+        self.eager.step()
+        self.compiled.step()
+
+    def max_rel_diff(self) -> float:
+        worst = 0.0
+        for a, b in zip(self.eager_params, self.compiled_params):
+            worst = max(worst, ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item())
+        return worst
+
+    def assert_state_equal(self) -> None:
+        for pe, pc in zip(self.eager_params, self.compiled_params):
+            se, sc = self.eager.state.get(pe, {}), self.compiled.state.get(pc, {})
+            assert se.keys() == sc.keys()
+            for k in se:
+                if isinstance(se[k], torch.Tensor):
+                    torch.testing.assert_close(sc[k], se[k], rtol=0, atol=0)
