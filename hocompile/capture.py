@@ -131,31 +131,23 @@ def _trace(
         saved_state = opt.state
         saved_attrs = dict(vars(opt))
         saved_groups = swap_in_hyperparams(groups, structural, tracker, salt)
+        installed = [dict(group) for group in groups]
         fake_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         fakes: dict[tuple[int, int], torch.Tensor] = {}
-        for g, group in enumerate(groups):
-            params = list(group["params"])
-            for i, p in enumerate(params):
-                if (slot := InputSlot("param", g, i)) not in by_slot:
-                    fake_state[p] = dict(saved_state.get(p, {}))
-                    continue
-                fp = by_slot[slot]
-                fp.grad = by_slot[InputSlot("grad", g, i)]
-                params[i] = fp
-                fakes[(g, i)] = fp
-                entry = dict(saved_state.get(p, {}))
-                for key in entry:
-                    if (st := InputSlot("state", g, i, key)) in by_slot:
-                        entry[key] = by_slot[st]
-                        if entry[key].dim() == 0:
-                            real = float(saved_state[p][key].item())
-                            mode.track(entry[key], counter_name(g, i, key), real, 1000 + len(mode.mirrors))
-                            result.setdefault("counters", []).append(CounterRead(counter_name(g, i, key), st))
-                fake_state[fp] = entry
-            group["params"] = params
-        installed = [dict(group) for group in groups]
-        opt.state = fake_state
         try:
+            for g, group in enumerate(groups):
+                params = list(group["params"])
+                for i, p in enumerate(params):
+                    if (slot := InputSlot("param", g, i)) not in by_slot:
+                        fake_state[p] = dict(saved_state.get(p, {}))
+                        continue
+                    fp = by_slot[slot]
+                    fp.grad = by_slot[InputSlot("grad", g, i)]
+                    params[i] = fp
+                    fakes[(g, i)] = fp
+                    fake_state[fp] = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result)
+                group["params"] = params
+            opt.state = fake_state
             with mode:
                 step(opt)
         finally:
@@ -201,6 +193,28 @@ def _trace(
         gm, tracker, result["assigns"], result["clears"], result["side_effects"],
         result.get("counters", []),
     )
+
+
+def _fake_entry(
+    real_entry: dict[str, Any],
+    by_slot: dict[InputSlot, torch.Tensor],
+    g: int,
+    i: int,
+    mode: HostScalarMode,
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """One param's state with traced tensors; 0-d tensors become host counters."""
+    entry = dict(real_entry)
+    for key in entry:
+        slot = InputSlot("state", g, i, key)
+        if slot not in by_slot:
+            continue
+        entry[key] = by_slot[slot]
+        if entry[key].dim() == 0:
+            name = counter_name(g, i, key)
+            mode.track(entry[key], name, float(real_entry[key].item()), 1000 + len(mode.mirrors))
+            result.setdefault("counters", []).append(CounterRead(name, slot))
+    return entry
 
 
 def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedStep:

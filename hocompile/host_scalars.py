@@ -115,16 +115,19 @@ def swap_in_hyperparams(
     groups: list[dict[str, Any]], structural: frozenset[str], tracker: ScalarTracker, salt: int
 ) -> list[dict[str, Any]]:
     """Replace each group's hyperparameters by HyperParams; returns the originals."""
-    saved: list[dict[str, Any]] = []
-    index = 0
+    # Refuse before changing anything, so no group is left half swapped.
     for g, group in enumerate(groups):
-        saved.append(dict(group))
-        for key, value in list(group.items()):
+        for key, value in group.items():
             if isinstance(value, torch.Tensor) and key != "params":
                 raise CaptureError(
                     f"param_groups[{g}][{key!r}] is a Tensor; hocompile already makes float "
                     "hyperparameters runtime inputs (no recompiles when they change): pass a float"
                 )
+    saved: list[dict[str, Any]] = []
+    index = 0
+    for g, group in enumerate(groups):
+        saved.append(dict(group))
+        for key, value in list(group.items()):
             if not is_hyperparameter(key, value, structural):
                 continue
             names = hyper_names(g, key, value)

@@ -33,7 +33,14 @@ class GroupSig:
     params: tuple[ParamSig, ...]
 
 
-Signature = tuple[GroupSig, ...]
+@dataclass(frozen=True)
+class Signature:
+    attributes: tuple[tuple[str, Any], ...]  # the optimizer's public attributes (emerging's `nesterov`...)
+    groups: tuple[GroupSig, ...]
+
+
+# Attributes that are data, not options: they change without changing the program.
+_NOT_OPTIONS = frozenset({"state", "param_groups", "defaults"})
 
 
 def _tensor_sig(t: torch.Tensor) -> TensorSig:
@@ -55,6 +62,9 @@ def _freeze(value: Any) -> Any:
 
 
 def signature(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Signature:
+    attributes = tuple(
+        sorted((k, _freeze(v)) for k, v in vars(opt).items() if not k.startswith("_") and k not in _NOT_OPTIONS)
+    )
     groups: list[GroupSig] = []
     for group in opt.param_groups:
         options: list[tuple[str, Any]] = []
@@ -77,15 +87,20 @@ def signature(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Signatu
                     tuple(sorted((k, _freeze(v)) for k, v in state.items())),
                 )
             )
-        groups.append(GroupSig(tuple(sorted(options)), tuple(params)))
-    return tuple(groups)
+        groups.append(GroupSig(tuple(sorted(options, key=lambda kv: kv[0])), tuple(params)))
+    return Signature(attributes, tuple(groups))
 
 
 def describe_change(old: Signature, new: Signature) -> str:
     """The first difference between two signatures, in the user's terms."""
-    if len(old) != len(new):
-        return f"number of param groups changed {len(old)} -> {len(new)}"
-    for g, (a, b) in enumerate(zip(old, new)):
+    if old.attributes != new.attributes:
+        da, db = dict(old.attributes), dict(new.attributes)
+        for key in sorted(set(da) | set(db)):
+            if da.get(key) != db.get(key):
+                return f"optimizer attribute {key!r} changed {_show(da.get(key))} -> {_show(db.get(key))}"
+    if len(old.groups) != len(new.groups):
+        return f"number of param groups changed {len(old.groups)} -> {len(new.groups)}"
+    for g, (a, b) in enumerate(zip(old.groups, new.groups)):
         if a.options != b.options:
             da, db = dict(a.options), dict(b.options)
             for key in sorted(set(da) | set(db), key=str):
