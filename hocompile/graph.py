@@ -170,6 +170,11 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
             continue
         names[node] = f"t{counter}"
         counter += 1
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target))
+            shown = repr(value.item()) if value.numel() == 1 else "..."
+            lines.append(f"  {names[node]}: {describe_value(value)} = constant({shown})  # capture")
+            continue
         args = [_format_arg(a, names) for a in node.args]
         args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
         head = f"  {names[node]}: {describe_value(node.meta.get('val'))} = "

@@ -9,18 +9,22 @@ Before::
     t9 = aten.detach(t8)            # returned as new state
     t10 = aten.clone(t3)            # read only by t11
     t11 = aten.mul.Tensor(t10, h0)
+    t12 = aten.permute(t11, [1, 0])
+    t13 = aten.permute(t12, [1, 0])  # .T of .T
 
 After::
 
     t5 = aten.scalar_tensor(0.0)
     t8 = aten.add.Tensor(t5, 1)
-    t11 = aten.mul.Tensor(t3, h0)
+    t11 = aten.mul.Tensor(t3, h0)   # t13's users now read t11
 
 ``detach`` and ``alias`` are identities in a no-grad functional graph;
 ``lift_fresh_copy`` and ``clone`` are copies, which a functional graph never
 needs unless the copy is an output whose source is also an output or input (two
 state slots must not end up sharing one tensor). A ``_to_copy`` to the dtype
-and layout the value already has is the same kind of copy. Then dead code goes.
+and layout the value already has is the same kind of copy. Two permutes in a
+row compose into one (nothing when they cancel): torch.optim.Muon's ``.T``
+dance otherwise hides its Newton–Schulz chain. Then dead code goes.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class Canonicalize(Pass):
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         returned = set(output.args[0])
-        removed = 0
+        removed = self._fold_permutes(gm, returned)
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or not self._is_removable(node, returned):
                 continue
@@ -73,6 +77,25 @@ class Canonicalize(Pass):
             "nothing to remove"
         )
         return PassResult(gm, changed, summary)
+
+    @staticmethod
+    def _fold_permutes(gm: fx.GraphModule, returned: set[fx.Node]) -> int:
+        folded = 0
+        for node in list(gm.graph.nodes):
+            if node.target is not aten.permute.default or node in returned:
+                continue
+            src = node.args[0]
+            if not isinstance(src, fx.Node) or src.target is not aten.permute.default:
+                continue
+            inner, outer = list(src.args[1]), list(node.args[1])
+            composed = [inner[d] for d in outer]
+            if composed == list(range(len(composed))):
+                node.replace_all_uses_with(src.args[0])
+                gm.graph.erase_node(node)
+            else:
+                node.args = (src.args[0], composed)
+            folded += 1
+        return folded
 
     @staticmethod
     def _is_removable(node: fx.Node, returned: set[fx.Node]) -> bool:

@@ -1,0 +1,155 @@
+"""Expect tests on printed graphs. Update with EXPECTTEST_ACCEPT=1."""
+
+from __future__ import annotations
+
+import torch
+from expecttest import TestCase
+
+from hocompile.capture import capture
+from hocompile.graph import print_graph
+from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.passes import PIPELINE, run_pipeline
+
+
+def _steady_graph(opt: torch.optim.Optimizer, params: list[torch.Tensor], ran: bool = True) -> str:
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    if ran:
+        opt.step()  # create the state, so the graph is the steady-state one
+    gm = capture(opt, STRUCTURAL_KEYS).gm
+    gm, _ = run_pipeline(gm, PIPELINE)
+    return print_graph(gm)
+
+
+class TestPrintedGraphs(TestCase):
+    def test_muon_two_params(self) -> None:
+        params = [torch.zeros(6, 4), torch.zeros(4, 4)]
+        opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2)
+        self.assertExpectedInline(_steady_graph(opt, params), """\
+graph step(
+  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: f32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: f32[4, 4]  # param_groups[0]['params'][1]
+  g0_1: f32[4, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: f64 (host) = 1.0 - g0.momentum
+  h1: f64 (host) = g0.momentum
+  h2: f64 (host) = g0.eps
+  h3: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h4: f64 (host) = -(g0.lr * 1.224744871391589)
+  h5: f64 (host) = -(g0.lr * 1.0)
+):
+  t0: f32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: f32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t2: bf16[6, 4] = aten._to_copy(t1, dtype=bf16)  # capture
+  t3: bf16[4, 6] = aten.permute(t2, [1, 0])  # capture
+  t4: bf16[] = aten.linalg_vector_norm(t3)  # capture
+  t5: bf16[] = aten.clamp(t4, h2)  # capture
+  t6: bf16[4, 6] = aten.div.Tensor(t3, t5)  # capture
+  t7: bf16[6, 4] = aten.permute(t6, [1, 0])  # capture
+  t8: bf16[4, 4] = aten.mm(t6, t7)  # capture
+  t9: bf16[4, 4] = aten.addmm(t8, t8, t8, beta=-4.775, alpha=2.0315)  # capture
+  t10: bf16[4, 6] = aten.addmm(t6, t9, t6, beta=3.4445)  # capture
+  t11: bf16[6, 4] = aten.permute(t10, [1, 0])  # capture
+  t12: bf16[4, 4] = aten.mm(t10, t11)  # capture
+  t13: bf16[4, 4] = aten.addmm(t12, t12, t12, beta=-4.775, alpha=2.0315)  # capture
+  t14: bf16[4, 6] = aten.addmm(t10, t13, t10, beta=3.4445)  # capture
+  t15: bf16[6, 4] = aten.permute(t14, [1, 0])  # capture
+  t16: f32[6, 4] = aten.mul.Tensor(p0_0, h3)  # capture
+  t17: f32[6, 4] = aten.add.Tensor(t16, t15, alpha=h4)  # capture
+  t18: f32[4, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
+  t19: f32[4, 4] = aten.lerp.Scalar(g0_1, t18, h1)  # capture
+  t20: bf16[4, 4] = aten._to_copy(t19, dtype=bf16)  # capture
+  t21: bf16[] = aten.linalg_vector_norm(t20)  # capture
+  t22: bf16[] = aten.clamp(t21, h2)  # capture
+  t23: bf16[4, 4] = aten.div.Tensor(t20, t22)  # capture
+  t24: bf16[4, 4] = aten.permute(t23, [1, 0])  # capture
+  t25: bf16[4, 4] = aten.mm(t23, t24)  # capture
+  t26: bf16[4, 4] = aten.addmm(t25, t25, t25, beta=-4.775, alpha=2.0315)  # capture
+  t27: bf16[4, 4] = aten.addmm(t23, t26, t23, beta=3.4445)  # capture
+  t28: bf16[4, 4] = aten.permute(t27, [1, 0])  # capture
+  t29: bf16[4, 4] = aten.mm(t27, t28)  # capture
+  t30: bf16[4, 4] = aten.addmm(t29, t29, t29, beta=-4.775, alpha=2.0315)  # capture
+  t31: bf16[4, 4] = aten.addmm(t27, t30, t27, beta=3.4445)  # capture
+  t32: f32[4, 4] = aten.mul.Tensor(p0_1, h3)  # capture
+  t33: f32[4, 4] = aten.add.Tensor(t32, t31, alpha=h5)  # capture
+  return (t17, t0, t33, t18)
+""")
+
+    def test_adamw_two_params(self) -> None:
+        params = [torch.zeros(6, 4), torch.zeros(4)]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        self.assertExpectedInline(_steady_graph(opt, params), """\
+graph step(
+  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_exp_avg: f32[6, 4]  # state[param_groups[0]['params'][0]]['exp_avg']
+  s0_0_exp_avg_sq: f32[6, 4]  # state[param_groups[0]['params'][0]]['exp_avg_sq']
+  s0_0_step: f32[]  # state[param_groups[0]['params'][0]]['step']
+  p0_1: f32[4]  # param_groups[0]['params'][1]
+  g0_1: f32[4]  # param_groups[0]['params'][1].grad
+  s0_1_exp_avg: f32[4]  # state[param_groups[0]['params'][1]]['exp_avg']
+  s0_1_exp_avg_sq: f32[4]  # state[param_groups[0]['params'][1]]['exp_avg_sq']
+  s0_1_step: f32[]  # state[param_groups[0]['params'][1]]['step']
+  h0: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h1: f64 (host) = 1.0 - g0.betas[0]
+  h2: f64 (host) = g0.betas[1]
+  h3: f64 (host) = 1.0 - g0.betas[1]
+  h4: f64 (host) = (1.0 - (g0.betas[1] ** (g0.p0.state.step + 1.0))) ** 0.5
+  h5: f64 (host) = g0.eps
+  h6: f64 (host) = -(g0.lr / (1.0 - (g0.betas[0] ** (g0.p0.state.step + 1.0))))
+  h7: f64 (host) = (1.0 - (g0.betas[1] ** (g0.p1.state.step + 1.0))) ** 0.5
+  h8: f64 (host) = -(g0.lr / (1.0 - (g0.betas[0] ** (g0.p1.state.step + 1.0))))
+):
+  t0: f32[] = aten.add.Tensor(s0_0_step, 1)  # capture
+  t1: f32[6, 4] = aten.mul.Tensor(p0_0, h0)  # capture
+  t2: f32[6, 4] = aten.lerp.Scalar(s0_0_exp_avg, g0_0, h1)  # capture
+  t3: f32[6, 4] = aten.mul.Tensor(s0_0_exp_avg_sq, h2)  # capture
+  t4: f32[6, 4] = aten.addcmul(t3, g0_0, g0_0, value=h3)  # capture
+  t5: f32[6, 4] = aten.sqrt(t4)  # capture
+  t6: f32[6, 4] = aten.div.Tensor(t5, h4)  # capture
+  t7: f32[6, 4] = aten.add.Tensor(t6, h5)  # capture
+  t8: f32[6, 4] = aten.addcdiv(t1, t2, t7, value=h6)  # capture
+  t9: f32[] = aten.add.Tensor(s0_1_step, 1)  # capture
+  t10: f32[4] = aten.mul.Tensor(p0_1, h0)  # capture
+  t11: f32[4] = aten.lerp.Scalar(s0_1_exp_avg, g0_1, h1)  # capture
+  t12: f32[4] = aten.mul.Tensor(s0_1_exp_avg_sq, h2)  # capture
+  t13: f32[4] = aten.addcmul(t12, g0_1, g0_1, value=h3)  # capture
+  t14: f32[4] = aten.sqrt(t13)  # capture
+  t15: f32[4] = aten.div.Tensor(t14, h7)  # capture
+  t16: f32[4] = aten.add.Tensor(t15, h5)  # capture
+  t17: f32[4] = aten.addcdiv(t10, t11, t16, value=h8)  # capture
+  return (t8, t2, t4, t0, t17, t11, t13, t9)
+""")
+
+    def test_adamw_first_step_creates_state(self) -> None:
+        params = [torch.zeros(3)]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        self.assertExpectedInline(_steady_graph(opt, params, ran=False), """\
+graph step(
+  p0_0: f32[3]  # param_groups[0]['params'][0]
+  g0_0: f32[3]  # param_groups[0]['params'][0].grad
+  h0: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h1: f64 (host) = 1.0 - g0.betas[0]
+  h2: f64 (host) = g0.betas[1]
+  h3: f64 (host) = 1.0 - g0.betas[1]
+  h4: f64 (host) = (1.0 - (g0.betas[1] ** 1.0)) ** 0.5
+  h5: f64 (host) = g0.eps
+  h6: f64 (host) = -(g0.lr / (1.0 - (g0.betas[0] ** 1.0)))
+):
+  t0: f32[] = constant(0.0)  # capture
+  t1: f32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture
+  t2: f32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture
+  t3: f32[] = aten.add.Tensor(t0, 1)  # capture
+  t4: f32[3] = aten.mul.Tensor(p0_0, h0)  # capture
+  t5: f32[3] = aten.lerp.Scalar(t1, g0_0, h1)  # capture
+  t6: f32[3] = aten.mul.Tensor(t2, h2)  # capture
+  t7: f32[3] = aten.addcmul(t6, g0_0, g0_0, value=h3)  # capture
+  t8: f32[3] = aten.sqrt(t7)  # capture
+  t9: f32[3] = aten.div.Tensor(t8, h4)  # capture
+  t10: f32[3] = aten.add.Tensor(t9, h5)  # capture
+  t11: f32[3] = aten.addcdiv(t4, t5, t10, value=h6)  # capture
+  return (t3, t5, t7, t11)
+""")
