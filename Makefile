@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check hocompile tests examples benchmarks
+	$(BIN)/mypy hocompile --ignore-missing-imports
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .scalars import Expr, HyperParam, ScalarTracker, const, input_expr, sentinel
+from .scalars import HyperParam, ScalarTracker, const, input_expr, sentinel
 
 
 class CaptureError(RuntimeError):
@@ -77,12 +77,12 @@ class HostScalarMode(TorchFunctionMode):
         if func is torch.Tensor.item:
             return self._item(args[0])
         first = args[0] if args else None
-        mirrored = isinstance(first, torch.Tensor) and id(first) in self.mirrors
-        if mirrored and func in (torch.Tensor.add_, torch.Tensor.__iadd__):
-            self._follow_add(first, args[1] if len(args) > 1 else None, kwargs)
-        elif mirrored and _mutates_first_arg(func):
-            # An update we cannot mirror: a later .item() on it must fail.
-            self.mirrors[id(first)] = (first, None)
+        if isinstance(first, torch.Tensor) and id(first) in self.mirrors:
+            if func in (torch.Tensor.add_, torch.Tensor.__iadd__):
+                self._follow_add(first, args[1] if len(args) > 1 else None, kwargs)
+            elif _mutates_first_arg(func):
+                # An update we cannot mirror: a later .item() on it must fail.
+                self.mirrors[id(first)] = (first, None)
         out = func(*args, **kwargs)
         if func is torch.tensor and isinstance(first, (int, float)) and not isinstance(first, bool):
             self.mirrors[id(out)] = (out, self.tracker.make(float(first), const(float(first))))

@@ -21,7 +21,6 @@ branch recompiles instead of silently running the wrong program.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

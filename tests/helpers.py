@@ -63,7 +63,9 @@ def emerging_muon(params: Any, **kw: Any) -> torch.optim.Optimizer:
     return Muon(params, **kw)
 
 
-def make_params(shapes: Sequence[tuple[int, ...]], seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def make_params(
+    shapes: Sequence[tuple[int, ...]], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(*s, generator=g, dtype=dtype) for s in shapes]
 
@@ -83,7 +85,8 @@ class Pair:
         self.compiled_params = [p.clone() for p in self.eager_params]
         wrap = groups or (lambda ps: ps)
         self.eager = factory(wrap(self.eager_params))
-        self.compiled = hocompile.compile_optimizer(factory(wrap(self.compiled_params)), cache_dir=cache_dir, **compile_kw)
+        inner = factory(wrap(self.compiled_params))
+        self.compiled = hocompile.compile_optimizer(inner, cache_dir=cache_dir, **compile_kw)
         self.gen = torch.Generator().manual_seed(1)
 
     def step(self, none_grads: Sequence[int] = ()) -> None:

@@ -87,7 +87,7 @@ class Canonicalize(Pass):
             src = node.args[0]
             if not isinstance(src, fx.Node) or src.target is not aten.permute.default:
                 continue
-            inner, outer = list(src.args[1]), list(node.args[1])
+            inner, outer = list(src.args[1]), list(node.args[1])  # type: ignore[arg-type]
             composed = [inner[d] for d in outer]
             if composed == list(range(len(composed))):
                 node.replace_all_uses_with(src.args[0])

@@ -48,12 +48,12 @@ class DiskCache:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            warnings.warn(f"hocompile cache entry {path} unreadable ({exc}); rebuilding", CacheWarning)
+            warnings.warn(f"hocompile cache entry {path} unreadable ({exc}); rebuilding", CacheWarning, stacklevel=2)
             return None
         header, _, body = text.partition("\n")
         expected = header.removeprefix(_HEADER)
         if not header.startswith(_HEADER) or expected != _digest(body):
-            warnings.warn(f"hocompile cache entry {path} is corrupt; rebuilding it", CacheWarning)
+            warnings.warn(f"hocompile cache entry {path} is corrupt; rebuilding it", CacheWarning, stacklevel=2)
             return None
         return body
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..capture import CapturedStep, unwrapped_step, capture, slot_tensor
+from ..capture import CapturedStep, capture, slot_tensor, unwrapped_step
 from ..graph import print_graph
 from ..host_scalars import CaptureError
 from ..lowering import LoweredStep, cache_key, lower_to_aten
