@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -40,8 +40,14 @@ from .validate import validate
 log = logging.getLogger("hocompile")
 
 
+_COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles")
+
+
 @dataclass
-class Counters:
+class Counters(Mapping[str, Any]):
+    """compiles, cache hits (steps served by a compiled step), disk hits,
+    eager fallbacks, and the reason of every recompile; reads like a dict."""
+
     compiles: int = 0
     cache_hits: int = 0
     disk_hits: int = 0
@@ -49,7 +55,15 @@ class Counters:
     recompiles: list[str] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
+        if key not in _COUNTER_KEYS:
+            raise KeyError(key)
         return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_COUNTER_KEYS)
+
+    def __len__(self) -> int:
+        return len(_COUNTER_KEYS)
 
     def as_dict(self) -> dict[str, Any]:
         return {
