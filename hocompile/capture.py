@@ -81,6 +81,7 @@ class _TraceResult:
     clears: list[tuple[int, int]]
     side_effects: list[str]
     counters: list[CounterRead]
+    matmul_precisions: list[str]
 
 
 def unwrapped_step(opt: torch.optim.Optimizer) -> Any:
@@ -191,7 +192,7 @@ def _trace(
         ) from exc
     return _TraceResult(
         gm, tracker, result["assigns"], result["clears"], result["side_effects"],
-        result.get("counters", []),
+        result.get("counters", []), sorted(mode.matmul_precisions),
     )
 
 
@@ -234,6 +235,14 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
     gm.recompile()
     for effect in first.side_effects:
         log.warning("capture: the step changes %s; the compiled step does not repeat that", effect)
+    notes = []
+    if any(p != "highest" for p in first.matmul_precisions):
+        # On CPU aten ignores it (measured: identical fp32 mm results); a GPU
+        # lowering must honour it, since there it means TF32 / bf16 passes.
+        notes.append(
+            f"the step runs matmuls under float32 matmul precision {first.matmul_precisions}; "
+            "no effect on CPU, GPU lowerings must honour it"
+        )
     return CapturedStep(
         gm=gm,
         inputs=tuple(slots),
@@ -244,6 +253,7 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
         clears_grads=tuple(first.clears),
         ignored_side_effects=tuple(first.side_effects),
         trace_seconds=time.perf_counter() - start,
+        notes=notes,
     )
 
 

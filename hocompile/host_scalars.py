@@ -64,6 +64,9 @@ class HostScalarMode(TorchFunctionMode):
         self.salt = salt
         # id(tensor) -> (tensor kept alive so the id stays unique, its value)
         self.mirrors: dict[int, tuple[torch.Tensor, HyperParam | None]] = {}
+        # float32 matmul precisions in force at the step's matmuls
+        # (emerging-optimizers switches it around its Newton-Schulz).
+        self.matmul_precisions: set[str] = set()
 
     def track(self, tensor: torch.Tensor, name: str, real: float, index: int) -> None:
         self.tracker.real[name] = real
@@ -76,6 +79,8 @@ class HostScalarMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.item:
             return self._item(args[0])
+        if getattr(func, "__name__", "") in _MATMULS:
+            self.matmul_precisions.add(torch.get_float32_matmul_precision())
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and id(first) in self.mirrors:
             if func in (torch.Tensor.add_, torch.Tensor.__iadd__):
@@ -104,6 +109,9 @@ class HostScalarMode(TorchFunctionMode):
             self.mirrors[id(tensor)] = (tensor, None)
             return
         self.mirrors[id(tensor)] = (tensor, value + other)
+
+
+_MATMULS = frozenset({"mm", "matmul", "__matmul__", "__rmatmul__", "addmm", "bmm", "baddbmm", "addmm_", "baddbmm_"})
 
 
 def _mutates_first_arg(func: Callable[..., Any]) -> bool:

@@ -60,3 +60,12 @@ def test_capture_restores_the_optimizer() -> None:
     assert type(opt.param_groups[0]["lr"]) is float
     assert opt.param_groups[0]["params"][0] is params[0]
     assert len(opt.state) == 0
+
+
+def test_matmul_precision_changes_inside_the_step_are_noted() -> None:
+    params = make_params([(8, 4)])
+    opt = emerging_muon(params, lr=0.02, fp32_matmul_prec="medium")
+    params[0].grad = torch.randn(8, 4)
+    captured = capture(opt, STRUCTURAL_KEYS)
+    assert any("float32 matmul precision ['medium']" in note for note in captured.notes)
+    assert torch.get_float32_matmul_precision() == "highest"  # restored by the optimizer itself

@@ -46,6 +46,8 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
     if cap.guards:
         lines.append("  guards on hyperparameter branches:")
         lines += [f"    {g.describe()}" for g in cap.guards]
+    for note in cap.notes:
+        lines.append(f"  note: {note}")
     if cap.ignored_side_effects:
         lines.append("  python side effects of the eager step not repeated: " + ", ".join(cap.ignored_side_effects))
     lines.append("  passes:")
