@@ -30,6 +30,8 @@ def compile_optimizer(
     dump_dir: str | os.PathLike[str] | None = None,
     disable_passes: tuple[str, ...] | list[str] | None = None,
     debug: int | None = None,
+    precision: str = "auto",
+    target: str = "auto",
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -42,6 +44,12 @@ def compile_optimizer(
             eager step for that configuration instead.
         structural_keys: extra param-group keys whose float values select the
             program (like ``ns_coefficients``) rather than feed it numbers.
+        precision: Newton–Schulz compute precision. ``"auto"`` keeps the
+            eager optimizer's dtype where the target has a fast GEMM for it
+            and computes in fp32 where it does not (faster there, and more
+            accurate); ``"fp32"``, ``"bf16"``, ``"fp16"`` force one.
+        target: ``"auto"`` (measure this machine) or a
+            :class:`hocompile.targets.Target`.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -56,6 +64,8 @@ def compile_optimizer(
         debug=debug,
         fallback=fallback,
         structural_keys=structural_keys,
+        precision=precision,
+        target=target,
     )
     return CompiledOptimizer(optimizer, settings)
 

@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .graph import ORIGIN, ROLE, InputSlot
+from .graph import ORIGIN, ROLE, InputSlot, graph_stats
 from .host_scalars import (
     CaptureError,
     HostScalarMode,
@@ -71,6 +71,7 @@ class CapturedStep:
     ignored_side_effects: tuple[str, ...]
     trace_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)  # of the graph as captured (passes mutate gm)
 
 
 @dataclass
@@ -254,6 +255,7 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
         ignored_side_effects=tuple(first.side_effects),
         trace_seconds=time.perf_counter() - start,
         notes=notes,
+        stats=graph_stats(gm),
     )
 
 

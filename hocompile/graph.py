@@ -146,6 +146,30 @@ def _format_arg(arg: Any, names: dict[fx.Node, str]) -> str:
     return repr(arg)
 
 
+def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> list[str]:
+    """(a, b, c) per iteration grouped into runs: ``(3.4445, -4.775, 2.0315)x5``."""
+    x, a, b, c, eps, eps_mode, transpose, compute, out, algorithm, restarts, matmul = args
+    runs: list[list[Any]] = []
+    for triple in zip(a, b, c):
+        if runs and runs[-1][0] == triple:
+            runs[-1][1] += 1
+        else:
+            runs.append([triple, 1])
+    coeffs = " + ".join(
+        f"({', '.join(repr(float(v)) for v in t)})" + (f"x{n}" if n > 1 else "") for t, n in runs
+    )
+    where = f"{algorithm}" + (f" restart {list(restarts)}" if restarts else "")
+    return [
+        _format_arg(x, names),
+        f"[{coeffs}]",
+        f"eps={_format_arg(eps, names)} {eps_mode}",
+        "transpose" if transpose else "wide",
+        f"{_format_arg(compute, names)}->{_format_arg(out, names)}",
+        where,
+        matmul,
+    ]
+
+
 def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
     """Render ``gm`` as stable, readable text (the expect-test format)."""
     names: dict[fx.Node, str] = {}
@@ -175,8 +199,11 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
             shown = repr(value.item()) if value.numel() == 1 else "..."
             lines.append(f"  {names[node]}: {describe_value(value)} = constant({shown})  # capture")
             continue
-        args = [_format_arg(a, names) for a in node.args]
-        args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
+        if _target_name(node.target) == "hocompile.newton_schulz":
+            args = _format_newton_schulz(node.args, names)
+        else:
+            args = [_format_arg(a, names) for a in node.args]
+            args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
         head = f"  {names[node]}: {describe_value(node.meta.get('val'))} = "
         call = f"{_target_name(node.target)}({', '.join(args)})"
         notes = [node.meta.get(ORIGIN, "?")]
@@ -186,9 +213,19 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
     return "\n".join([f"graph {title}(", *inputs, "):", *lines]) + "\n"
 
 
+def decisions(gm: fx.GraphModule) -> list[str]:
+    """One line per node that carries a recorded decision: input shape -> plan."""
+    lines = []
+    for node in gm.graph.nodes:
+        if DECISION in node.meta:
+            src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+            lines.append(f"{_target_name(node.target)} {describe_value(src)}: {node.meta[DECISION]}")
+    return lines
+
+
 def graph_stats(gm: fx.GraphModule) -> dict[str, int]:
     """Counts shown by explain(): inputs by kind and body ops."""
-    stats = {"tensor inputs": 0, "host scalars": 0, "ops": 0, "matmuls": 0}
+    stats = {"tensor inputs": 0, "host scalars": 0, "ops": 0, "matmuls": 0, "newton-schulz": 0}
     matmuls = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -196,6 +233,9 @@ def graph_stats(gm: fx.GraphModule) -> dict[str, int]:
             stats[key] += 1
         elif node.op == "call_function":
             stats["ops"] += 1
-            if _target_name(node.target).split(".")[1:2] and _target_name(node.target).split(".")[1] in matmuls:
+            name = _target_name(node.target)
+            if name.startswith("aten.") and name.split(".")[1] in matmuls:
                 stats["matmuls"] += 1
+            if name == "hocompile.newton_schulz":
+                stats["newton-schulz"] += 1
     return stats

@@ -30,6 +30,8 @@ class Settings:
     debug: int = 0
     fallback: str = "error"
     structural_keys: frozenset[str] = STRUCTURAL_KEYS
+    precision: str = "auto"
+    target: str = "auto"
 
     @staticmethod
     def resolve(
@@ -40,7 +42,13 @@ class Settings:
         debug: int | None = None,
         fallback: str = "error",
         structural_keys: tuple[str, ...] | list[str] = (),
+        precision: str = "auto",
+        target: str = "auto",
     ) -> Settings:
+        from .passes.choose_algorithm import PRECISIONS
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
         env_dump = os.environ.get("HOCOMPILE_DUMP_DIR")
@@ -58,6 +66,8 @@ class Settings:
             debug=debug_level,
             fallback=fallback,
             structural_keys=STRUCTURAL_KEYS | frozenset(structural_keys),
+            precision=precision,
+            target=target,
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)

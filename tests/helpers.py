@@ -63,6 +63,11 @@ def emerging_muon(params: Any, **kw: Any) -> torch.optim.Optimizer:
     return Muon(params, **kw)
 
 
+# Compile without the Newton–Schulz passes: the compiled step then runs eager's
+# own aten ops and must be bit-identical (tests of capture and runtime mechanics).
+EXACT: dict[str, Any] = {"disable_passes": ("fuse-newton-schulz", "choose-algorithm")}
+
+
 def make_params(
     shapes: Sequence[tuple[int, ...]], seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
@@ -112,3 +117,31 @@ class Pair:
             for k in se:
                 if isinstance(se[k], torch.Tensor):
                     torch.testing.assert_close(sc[k], se[k], rtol=0, atol=0)
+
+
+class NSOnly(torch.optim.Optimizer):
+    """p -= lr * NS(grad) with a given NS function: isolates one NS implementation."""
+
+    def __init__(self, params: Any, ns: Callable[[torch.Tensor], torch.Tensor], lr: float = 0.02) -> None:
+        super().__init__(params, dict(lr=lr))
+        self.ns = ns
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(self.ns(p.grad).to(p.dtype), alpha=-group["lr"])
+
+
+def emerging_ns(**kw: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+    return lambda g: muon_utils.newton_schulz(g, **kw)
+
+
+def emerging_coefficients(kind: str, steps: int) -> list[tuple[float, float, float]]:
+    from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+    mode = "repeat_last" if kind in ("polar_express", "cans", "deepseekv4") else "cycle"
+    return list(muon_utils.get_coefficient_iterator(steps, muon_utils._COEFFICIENT_SETS[kind], mode=mode))

@@ -1,12 +1,15 @@
 """Compiled steps against eager, over 20 steps on random data.
 
-Tolerances: the CPU lowering runs the very aten ops eager runs, in the same
-order, with host scalars computed by the same double-precision arithmetic in
-the same order (see hocompile/scalars.py), so results are bit-identical today
-and the Muon tests assert exact equality (rtol=atol=0) even though its NS runs
-in bf16. The pointwise optimizers are held to the issue's 1e-6 relative bound,
-which leaves room for fused lowerings; Muon's bound will move to a documented
-NS error budget when fuse-newton-schulz replaces the aten chain.
+Tolerances. Capture and runtime are exact: without the Newton–Schulz passes
+the CPU lowering runs the very aten ops eager runs, in the same order, with
+host scalars computed by the same double-precision arithmetic in the same
+order (see hocompile/scalars.py), so those tests assert bitwise equality. The
+pointwise optimizers are held to the 1e-6 relative bound. With the default
+pipeline Muon's NS is one fused op planned for the target (on a CPU without a
+bf16 GEMM it computes in fp32), so it no longer rounds where eager does; the
+bound there is on accuracy: the compiled trajectory must stay at least as close
+to the exact (fp64 NS) trajectory as eager's bf16 trajectory is (≤ 1.25×),
+see test_newton_schulz.py.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ SHAPES = [(16, 8), (8, 8), (12, 8), (8, 20)]
         ("emerging-muon", lambda ps: emerging_muon(ps, lr=0.02, weight_decay=0.1)),
     ],
 )
-def test_muon_family_matches_eager_bitwise(name: str, factory, cache_dir) -> None:
-    pair = Pair(factory, SHAPES, cache_dir)
+def test_muon_family_capture_is_exact(name: str, factory, cache_dir) -> None:
+    """With the NS passes off, the compiled step is bit-identical to eager."""
+    pair = Pair(factory, SHAPES, cache_dir, disable_passes=("fuse-newton-schulz", "choose-algorithm"))
     for _ in range(20):
         pair.step()
     assert pair.max_rel_diff() == 0.0, name
@@ -65,7 +69,7 @@ def test_param_groups_with_different_hyperparameters(cache_dir) -> None:
             {"params": ps[2:], "lr": 0.005, "weight_decay": 0.2, "momentum": 0.8},
         ]
 
-    pair = Pair(lambda g: torch.optim.Muon(g), SHAPES, cache_dir, groups=groups)
+    pair = Pair(lambda g: torch.optim.Muon(g), SHAPES, cache_dir, groups=groups, disable_passes=("fuse-newton-schulz",))
     for _ in range(20):
         pair.step()
     assert pair.max_rel_diff() == 0.0
@@ -102,7 +106,9 @@ def test_shapes_and_dtypes(shapes, dtype, opt, tmp_path_factory) -> None:
     inner = factories[opt](pair.compiled_params)
     from hocompile import compile_optimizer
 
-    pair.compiled = compile_optimizer(inner, cache_dir=tmp_path_factory.mktemp("cache2"))
+    pair.compiled = compile_optimizer(
+        inner, cache_dir=tmp_path_factory.mktemp("cache2"), disable_passes=["fuse-newton-schulz"]
+    )
     for _ in range(3):
         pair.step()
     assert pair.max_rel_diff() == 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import hocompile
 from hocompile import CacheWarning
 
-from .helpers import Pair, make_params
+from .helpers import EXACT, Pair, make_params
 
 
 def _muon(ps):
@@ -24,37 +25,44 @@ def test_dump_dir_has_graph_before_and_after_each_pass(tmp_path, monkeypatch, ca
     first = tmp_path / "dump" / "compile-001"
     names = sorted(p.name for p in first.iterdir())
     assert names == [
-        "00-captured.txt", "01-canonicalize.after.txt", "01-canonicalize.before.txt", "lowered.py",
+        "00-captured.txt",
+        "01-canonicalize.after.txt", "01-canonicalize.before.txt",
+        "02-fuse-newton-schulz.after.txt", "02-fuse-newton-schulz.before.txt",
+        "03-choose-algorithm.after.txt", "03-choose-algorithm.before.txt",
+        "lowered.py",
     ]
     before = (first / "01-canonicalize.before.txt").read_text()
     after = (first / "01-canonicalize.after.txt").read_text()
     assert before.startswith("graph before canonicalize(") and "aten.mm(" in before
     assert after.startswith("graph after canonicalize(")
     assert after.count("aten.permute") < before.count("aten.permute")
+    fused = (first / "02-fuse-newton-schulz.after.txt").read_text()
+    assert "aten.mm(" not in fused and fused.count("hocompile.newton_schulz(") == 2
     assert "def forward(self, p0_0, g0_0" in (first / "lowered.py").read_text()
 
 
 def test_disabled_pass_is_skipped_and_reported(cache_dir, monkeypatch) -> None:
-    monkeypatch.setenv("HOCOMPILE_DISABLE_PASSES", "canonicalize")
+    monkeypatch.setenv("HOCOMPILE_DISABLE_PASSES", "canonicalize,fuse-newton-schulz")
     pair = Pair(_muon, [(8, 4)], cache_dir)
     pair.step()
     pair.step()
     assert pair.max_rel_diff() == 0.0
     report = hocompile.explain(pair.compiled)
-    assert "canonicalize  disabled" in report
+    assert re.search(r"canonicalize +disabled", report)
+    assert re.search(r"fuse-newton-schulz +disabled", report)
 
 
 def test_disk_cache_reused_and_corrupt_entry_rebuilt(cache_dir) -> None:
-    a = Pair(_muon, [(8, 4)], cache_dir)
+    a = Pair(_muon, [(8, 4)], cache_dir, **EXACT)
     a.step()
     assert a.compiled.counters.disk_hits == 0
-    b = Pair(_muon, [(8, 4)], cache_dir)
+    b = Pair(_muon, [(8, 4)], cache_dir, **EXACT)
     b.step()
     assert b.compiled.counters.disk_hits == 1  # same graph, generated module read back from disk
     path = b.compiled.history[0].lowered.path
     assert path.parent == cache_dir and path.read_text().startswith("# hocompile cache entry sha256=")
     path.write_text(path.read_text().replace("aten.mm", "aten.bmm", 1))  # tamper
-    c = Pair(_muon, [(8, 4)], cache_dir)
+    c = Pair(_muon, [(8, 4)], cache_dir, **EXACT)
     with pytest.warns(CacheWarning, match="is corrupt; rebuilding it"):
         c.step()
     assert c.compiled.counters.disk_hits == 0
@@ -63,7 +71,7 @@ def test_disk_cache_reused_and_corrupt_entry_rebuilt(cache_dir) -> None:
     assert c.max_rel_diff() == 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
-        d = Pair(_muon, [(8, 4)], cache_dir)
+        d = Pair(_muon, [(8, 4)], cache_dir, **EXACT)
         d.step()  # the rebuilt entry is good again
     assert d.compiled.counters.disk_hits == 1
 
@@ -105,7 +113,7 @@ def test_is_a_drop_in_optimizer(cache_dir) -> None:
 
 
 def test_add_param_group_recompiles_with_reason(cache_dir) -> None:
-    pair = Pair(_muon, [(8, 4)], cache_dir)
+    pair = Pair(_muon, [(8, 4)], cache_dir, **EXACT)
     pair.step()
     pair.step()
     extra_e, extra_c = make_params([(4, 4)], seed=7), make_params([(4, 4)], seed=7)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from .helpers import Pair
+from .helpers import EXACT, Pair
 
 
 @pytest.mark.parametrize(
@@ -19,8 +19,9 @@ from .helpers import Pair
          ("lr", "momentum", "weight_decay")),
     ],
 )
-def test_changing_hyperparameters_every_step_never_recompiles(factory, keys, cache_dir) -> None:
-    pair = Pair(factory, [(12, 8), (8, 8)], cache_dir)
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "default-pipeline"])
+def test_changing_hyperparameters_every_step_never_recompiles(factory, keys, exact, cache_dir) -> None:
+    pair = Pair(factory, [(12, 8), (8, 8)], cache_dir, **(EXACT if exact else {}))
     for step in range(50):
         scale = 1.0 + 0.5 * math.sin(step)
         for opt in (pair.eager, pair.compiled):
@@ -39,11 +40,14 @@ def test_changing_hyperparameters_every_step_never_recompiles(factory, keys, cac
         pair.step()
     assert pair.compiled.counters.recompiles == []
     assert pair.compiled.counters.compiles == 2  # first step + steady state (lazily created state)
-    assert pair.max_rel_diff() <= 1e-6
+    if exact or "momentum" not in keys or "betas" in keys:
+        assert pair.max_rel_diff() <= 1e-6
+    else:  # Muon with NS fused and planned in fp32: close to eager's bf16 NS, not bitwise
+        assert pair.max_rel_diff() <= 5e-2
 
 
 def test_lr_scheduler_on_compiled_optimizer(cache_dir) -> None:
-    pair = Pair(lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1), [(12, 8), (8, 8)], cache_dir)
+    pair = Pair(lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1), [(12, 8), (8, 8)], cache_dir, **EXACT)
     scheds = [
         torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=50)
         for opt in (pair.eager, pair.compiled)
@@ -72,7 +76,7 @@ def test_branch_on_hyperparameter_is_a_guard(cache_dir) -> None:
 
 
 def test_structural_option_change_recompiles_with_reason(cache_dir) -> None:
-    pair = Pair(lambda ps: torch.optim.Muon(ps, lr=0.02), [(6, 4)], cache_dir)
+    pair = Pair(lambda ps: torch.optim.Muon(ps, lr=0.02), [(6, 4)], cache_dir, **EXACT)
     pair.step()
     pair.step()
     for opt in (pair.eager, pair.compiled):
@@ -86,7 +90,7 @@ def test_optimizer_attribute_change_recompiles(cache_dir) -> None:
     """emerging-optimizers keeps options like nesterov on the optimizer object."""
     from .helpers import emerging_muon
 
-    pair = Pair(lambda ps: emerging_muon(ps, lr=0.02), [(6, 4)], cache_dir)
+    pair = Pair(lambda ps: emerging_muon(ps, lr=0.02), [(6, 4)], cache_dir, **EXACT)
     pair.step()
     pair.step()
     for opt in (pair.eager, pair.compiled.optimizer):

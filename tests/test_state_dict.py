@@ -9,7 +9,7 @@ import torch
 
 import hocompile
 
-from .helpers import make_params
+from .helpers import EXACT, make_params
 
 FACTORIES = {
     "muon": lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1),
@@ -43,9 +43,11 @@ def test_state_dict_interchange_then_continue(name: str, direction: str, cache_d
     second_params = [p for p in make_params(SHAPES)]
     if direction == "eager->compiled":
         first = factory(first_params)
-        second: torch.optim.Optimizer = hocompile.compile_optimizer(factory(second_params), cache_dir=cache_dir)
+        second: torch.optim.Optimizer = hocompile.compile_optimizer(
+            factory(second_params), cache_dir=cache_dir, **EXACT
+        )
     else:
-        first = hocompile.compile_optimizer(factory(first_params), cache_dir=cache_dir)
+        first = hocompile.compile_optimizer(factory(first_params), cache_dir=cache_dir, **EXACT)
         second = factory(second_params)
     _run(first, first_params, range(5))
     sd = copy.deepcopy(first.state_dict())
@@ -70,3 +72,21 @@ def test_compiled_state_dict_equals_eager_format(cache_dir) -> None:
         assert se["state"][k].keys() == sc["state"][k].keys()
         for key in se["state"][k]:
             torch.testing.assert_close(sc["state"][k][key], se["state"][k][key], rtol=0, atol=0)
+
+
+def test_default_pipeline_checkpoint_resume_is_exact(cache_dir) -> None:
+    """Save a compiled Muon mid-run, load into a fresh compiled one: same as never stopping."""
+    factory = FACTORIES["muon"]
+    ref_params = make_params(SHAPES)
+    ref = hocompile.compile_optimizer(factory(ref_params), cache_dir=cache_dir)
+    _run(ref, ref_params, range(15))
+    first_params = make_params(SHAPES)
+    first = hocompile.compile_optimizer(factory(first_params), cache_dir=cache_dir)
+    _run(first, first_params, range(5))
+    sd = copy.deepcopy(first.state_dict())
+    second_params = [p.clone() for p in first_params]
+    second = hocompile.compile_optimizer(factory(second_params), cache_dir=cache_dir)
+    second.load_state_dict(sd)
+    _run(second, second_params, range(5, 15))
+    for a, b in zip(ref_params, second_params):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

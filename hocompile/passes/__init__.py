@@ -1,16 +1,35 @@
 """The pass pipeline, in the order it runs.
 
-Later passes (fuse-newton-schulz, batch-by-shape, choose-algorithm,
-choose-precision, distribute) slot in here; see README.md for the invariants
-every pass keeps.
+``default_pipeline(target, precision)`` is the explicit tuple the runtime
+runs; see README.md for the invariants every pass keeps. Still to come:
+choose-precision (per-iteration schedules) and distribute.
 """
 
 from __future__ import annotations
 
+from ..targets import Target
 from .base import Pass, PassResult
 from .canonicalize import Canonicalize
+from .choose_algorithm import ChooseAlgorithm
+from .fuse_newton_schulz import FuseNewtonSchulz
 from .runner import PassRecord, run_pipeline
 
-PIPELINE: tuple[Pass, ...] = (Canonicalize(),)
 
-__all__ = ["PIPELINE", "Canonicalize", "Pass", "PassRecord", "PassResult", "run_pipeline"]
+def default_pipeline(target: Target, precision: str = "auto") -> tuple[Pass, ...]:
+    return (
+        Canonicalize(),
+        FuseNewtonSchulz(),
+        ChooseAlgorithm(target=target, precision=precision),
+    )
+
+
+__all__ = [
+    "Canonicalize",
+    "ChooseAlgorithm",
+    "FuseNewtonSchulz",
+    "Pass",
+    "PassRecord",
+    "PassResult",
+    "default_pipeline",
+    "run_pipeline",
+]

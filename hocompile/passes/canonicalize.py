@@ -18,7 +18,8 @@ After::
     t8 = aten.add.Tensor(t5, 1)
     t11 = aten.mul.Tensor(t3, h0)   # t13's users now read t11
 
-``detach`` and ``alias`` are identities in a no-grad functional graph;
+``detach`` and ``alias`` are identities, and so are ``expand``/``view``
+to the shape a value already has, in a no-grad functional graph;
 ``lift_fresh_copy`` and ``clone`` are copies, which a functional graph never
 needs unless the copy is an output whose source is also an output or input (two
 state slots must not end up sharing one tensor). A ``_to_copy`` to the dtype
@@ -40,6 +41,9 @@ from .base import Pass, PassResult
 aten = torch.ops.aten
 _IDENTITIES = {aten.detach.default, aten.alias.default}
 _COPIES = {aten.lift_fresh_copy.default, aten.clone.default}
+# Shape ops that are identities when asked for the shape the value already has
+# (``X @ Y`` on 3-D tensors traces as expand + view + bmm + _unsafe_view).
+_SAME_SHAPE = {aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class Canonicalize(Pass):
             src = node.args[0]
             if not isinstance(src, fx.Node) or src.target is not aten.permute.default:
                 continue
-            inner, outer = list(src.args[1]), list(node.args[1])  # type: ignore[arg-type]
+            inner, outer = list(src.args[1]), list(node.args[1])  # type: ignore[arg-type,union-attr]
             composed = [inner[d] for d in outer]
             if composed == list(range(len(composed))):
                 node.replace_all_uses_with(src.args[0])
@@ -101,6 +105,9 @@ class Canonicalize(Pass):
     def _is_removable(node: fx.Node, returned: set[fx.Node]) -> bool:
         if node.target in _IDENTITIES:
             return True
+        if node.target in _SAME_SHAPE and isinstance(node.args[0], fx.Node):
+            src = node.args[0].meta.get("val")
+            return src is not None and list(src.shape) == list(node.args[1]) and node not in returned  # type: ignore[arg-type]
         if node.target in _COPIES:
             return node not in returned
         if node.target is aten._to_copy.default and node not in returned:

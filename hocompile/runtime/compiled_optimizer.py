@@ -28,11 +28,12 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from ..capture import CapturedStep, capture, slot_tensor, unwrapped_step
-from ..graph import print_graph
+from ..graph import decisions, graph_stats, print_graph
 from ..host_scalars import CaptureError
 from ..lowering import LoweredStep, cache_key, lower_to_aten
-from ..passes import PIPELINE, Pass, PassRecord, run_pipeline
+from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
 from ..settings import Settings
+from ..targets import resolve_target
 from .cache import DiskCache
 from .guards import Signature, describe_change, signature
 from .validate import validate
@@ -88,6 +89,8 @@ class CompiledEntry:
     lower_seconds: float
     reason: str  # why it was compiled: "first step" or the recompile reason
     fallback: str = ""  # non-empty: this signature runs eagerly, and why
+    decisions: list[str] = field(default_factory=list)  # per-op plans, for explain()
+    final_stats: dict[str, int] = field(default_factory=dict)
 
 
 class CompiledOptimizer(torch.optim.Optimizer):
@@ -97,7 +100,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         settings: Settings | None = None,
-        pipeline: tuple[Pass, ...] = PIPELINE,
+        pipeline: tuple[Pass, ...] | None = None,
     ) -> None:
         # Optimizer.__init__ is deliberately not called: it would copy the
         # param groups, and ours must stay the wrapped optimizer's own.
@@ -107,7 +110,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
             raise TypeError("this optimizer is already compiled")
         self._inner = optimizer
         self._settings = settings or Settings.resolve()
-        self._pipeline = pipeline
+        self._pipeline_override = pipeline
+        self._pipeline_cache: tuple[Pass, ...] | None = None
         self._disk = DiskCache(self._settings.cache_dir)
         self._entries: dict[Signature, list[CompiledEntry]] = {}
         self._last_signature: Signature | None = None
@@ -170,6 +174,17 @@ class CompiledOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # The next step's signature differs, so it recompiles with that reason.
         self._inner.add_param_group(param_group)
+
+    @property
+    def pipeline(self) -> tuple[Pass, ...]:
+        """The passes this optimizer's steps go through (target calibrated on first use)."""
+        if self._pipeline_cache is None:
+            if self._pipeline_override is not None:
+                self._pipeline_cache = self._pipeline_override
+            else:
+                target = resolve_target(self._settings.target, self._settings.cache_dir)
+                self._pipeline_cache = default_pipeline(target, self._settings.precision)
+        return self._pipeline_cache
 
     # -- stepping ----------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -275,9 +290,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
         dump = self._settings.dump_dir
         dump_here = dump / f"compile-{self.counters.compiles + 1:03d}" if dump is not None else None
         pass_start = time.perf_counter()
-        gm, records = run_pipeline(gm, self._pipeline, self._settings.disabled_passes, dump_here)
+        gm, records = run_pipeline(gm, self.pipeline, self._settings.disabled_passes, dump_here)
         pass_seconds = time.perf_counter() - pass_start
-        identity = ";".join(p.identity() for p in self._pipeline if p.name not in self._settings.disabled_passes)
+        identity = ";".join(p.identity() for p in self.pipeline if p.name not in self._settings.disabled_passes)
         key = cache_key(gm, identity)
         lower_start = time.perf_counter()
         header = self._header(key, records)
@@ -290,7 +305,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
         if self._settings.debug >= 2:
             log.debug("hocompile final graph:\n%s", final)
         entry = CompiledEntry(
-            captured, lowered, records, final, time.perf_counter() - start, pass_seconds, lower_seconds, reason
+            captured, lowered, records, final, time.perf_counter() - start, pass_seconds, lower_seconds, reason,
+            decisions=decisions(gm), final_stats=graph_stats(gm),
         )
         return self._remember(sig, entry, expected)
 

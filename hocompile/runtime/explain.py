@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..graph import ROLE, graph_stats
+from ..graph import ROLE
 from .compiled_optimizer import CompiledEntry, CompiledOptimizer
 
 
@@ -32,13 +32,19 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
     if entry.captured is None or entry.lowered is None:
         return [head, f"  runs eagerly: {entry.fallback}"]
     cap = entry.captured
-    stats = graph_stats(cap.gm)
+    stats = cap.stats
     lines = [
         head + f" (capture {cap.trace_seconds:.2f} s, passes {entry.pass_seconds * 1e3:.1f} ms, "
         f"lowering {entry.lower_seconds * 1e3:.1f} ms)",
-        f"  graph: {stats['tensor inputs']} tensor inputs, {stats['host scalars']} host scalars, "
+        f"  captured: {stats['tensor inputs']} tensor inputs, {stats['host scalars']} host scalars, "
         f"{stats['ops']} ops ({stats['matmuls']} matmuls), {len(cap.outputs)} outputs written back",
     ]
+    final = entry.final_stats
+    if final:
+        lines.append(
+            f"  after passes: {final['ops']} ops ({final['matmuls']} matmuls, "
+            f"{final['newton-schulz']} newton_schulz)"
+        )
     scalars = [n for n in cap.gm.graph.nodes if n.op == "placeholder" and not hasattr(n.meta.get(ROLE), "kind")]
     if scalars:
         lines.append("  host scalars (evaluated before each step, in eager's order):")
@@ -54,6 +60,9 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
     width = max((len(r.name) for r in entry.passes), default=0)
     for r in entry.passes:
         lines.append(f"    {r.name:<{width}}  {r.status:<9}  {r.seconds * 1e3:6.1f} ms  {r.summary}")
+    if entry.decisions:
+        lines.append("  plans:")
+        lines += [f"    {d}" for d in entry.decisions]
     origin = "from disk cache" if entry.lowered.from_disk else "generated"
     lines.append(f"  lowering: aten, {origin}: {entry.lowered.path}")
     lines.append(f"  cache key: {entry.lowered.key[:16]}")

@@ -1,0 +1,175 @@
+"""Newton–Schulz orthogonalisation: the maths behind ``hocompile::newton_schulz``.
+
+X is normalised to Frobenius norm ≤ 1, then each iteration k applies the odd
+polynomial ``X ← a_k X + (b_k A + c_k A²) X`` with ``A = X Xᵀ`` (c_k = 0 is
+the cubic variant). Two algorithms compute the same polynomial:
+
+- **standard**: three products per iteration on the m×n iterate;
+- **gram**: iterate on the m×m Gram matrix ``R = X Xᵀ``, accumulate
+  ``Q = P_k … P_1`` (each ``P = a I + b R + c R²`` is a polynomial in R, so all
+  of them commute and stay symmetric) and apply ``X = Q X₀`` once at the end;
+  ``restarts`` lists iterations after which ``X`` is rebuilt from ``Q X₀``
+  and ``R`` recomputed, which bounds the error growth of long Q products.
+  It saves FLOPs when the aspect ratio n/m is large (see :func:`flops`).
+
+Rounding model (``compute_dtype``): every product and every linear
+combination is accumulated in fp32 (fp64 for fp64) and rounded once to the
+compute dtype, as a tensor-core GEMM with a fused epilogue would. With
+``matmul="emulate"`` a bf16/fp16 program runs its GEMMs on fp32 units with
+exactly those roundings (for CPUs without fast half-precision GEMMs);
+``"native"`` calls the half-precision GEMM itself. The normalisation is
+always computed in fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Coefficients = Sequence[tuple[float, float, float]]
+
+ALGORITHMS = ("standard", "gram")
+MATMUL_MODES = ("native", "emulate")
+EPS_MODES = ("clamp", "add")  # x / max(‖x‖, eps) (torch, F.normalize) or x / (‖x‖ + eps) (Keller Jordan)
+
+
+def flops(m: int, n: int, coefficients: Coefficients, algorithm: str, restarts: Sequence[int] = ()) -> int:
+    """Dense FLOPs of one NS on a wide m×n matrix (m ≤ n), products only."""
+    m, n = min(m, n), max(m, n)
+    steps = len(coefficients)
+    cubic = [c == 0.0 for _, _, c in coefficients]
+    if algorithm == "standard":
+        return sum(2 * m * m * n + (0 if cub else 2 * m**3) + 2 * m * m * n for cub in cubic)
+    total = 2 * m * m * n  # R = X0 X0ᵀ
+    fresh = True
+    for k in range(steps):
+        last = k == steps - 1
+        restart_after = (k + 1) in restarts and not last
+        total += 0 if cubic[k] else 2 * m**3  # R²
+        total += 0 if fresh else 2 * m**3  # Q = P Q
+        fresh = False
+        if not last and not restart_after:
+            total += 4 * m**3  # R ← P² R (as P (P R))
+        if restart_after:
+            total += 4 * m * m * n  # X = Q X0, R = X Xᵀ
+            fresh = True
+    return total + 2 * m * m * n  # X = Q X0
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round an fp32 accumulator to ``dtype`` but keep computing in fp32."""
+    if dtype in (torch.float32, torch.float64) or t.dtype == dtype:
+        return t
+    return t.to(dtype).to(t.dtype)
+
+
+class _Arith:
+    """Products and linear combinations under one rounding model."""
+
+    def __init__(self, compute: torch.dtype, matmul: str, acc: torch.dtype) -> None:
+        self.compute, self.matmul, self.acc = compute, matmul, acc
+        self.native = matmul == "native" and compute not in (torch.float32, torch.float64)
+
+    def cast_in(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return x.to(self.compute)
+        return _round(x.to(self.acc), self.compute)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return a @ b
+        return _round(a @ b, self.compute)
+
+    def addmm(self, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+        """beta*c + alpha*(a@b), one rounding (a GEMM epilogue)."""
+        if self.native:
+            return torch.baddbmm(c, a, b, beta=beta, alpha=alpha) if a.dim() == 3 else torch.addmm(
+                c, a, b, beta=beta, alpha=alpha
+            )
+        return _round(torch.baddbmm(c, a, b, beta=beta, alpha=alpha) if a.dim() == 3 else torch.addmm(
+            c, a, b, beta=beta, alpha=alpha
+        ), self.compute)
+
+
+def normalize(x: torch.Tensor, eps: float, eps_mode: str) -> torch.Tensor:
+    """Frobenius-normalise each matrix, in fp32 or better."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa = x.to(acc)
+    norm = torch.linalg.vector_norm(xa, dim=(-2, -1), keepdim=True)
+    denom = norm.clamp(min=eps) if eps_mode == "clamp" else norm + eps
+    return xa / denom
+
+
+def newton_schulz(
+    x: torch.Tensor,
+    coefficients: Coefficients,
+    eps: float,
+    *,
+    eps_mode: str = "clamp",
+    transpose: bool = False,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
+    algorithm: str = "standard",
+    restarts: Sequence[int] = (),
+    matmul: str = "emulate",
+) -> torch.Tensor:
+    """Orthogonalise ``x`` ([m, n] or [B, m, n]); see the module docstring."""
+    if algorithm not in ALGORITHMS or matmul not in MATMUL_MODES or eps_mode not in EPS_MODES:
+        raise ValueError(f"bad newton_schulz options: {algorithm=}, {matmul=}, {eps_mode=}")
+    out_dtype = out_dtype or x.dtype
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    arith = _Arith(compute_dtype, matmul, acc)
+    xt = x.mT if transpose else x
+    # Normalise in fp32 from the compute-dtype input, as eager casts first.
+    X = arith.cast_in(normalize(arith.cast_in(xt).to(acc), eps, eps_mode))
+    if algorithm == "standard":
+        X = _standard(X, coefficients, arith)
+    else:
+        X = _gram(X, coefficients, restarts, arith)
+    out = X.mT if transpose else X
+    return out.to(out_dtype)
+
+
+def _standard(X: torch.Tensor, coefficients: Coefficients, arith: _Arith) -> torch.Tensor:
+    for a, b, c in coefficients:
+        A = arith.mm(X, X.mT)
+        B = arith.addmm(A, A, A, beta=b, alpha=c) if c != 0.0 else _scale(A, b, arith)
+        X = arith.addmm(X, B, X, beta=a, alpha=1.0)
+    return X
+
+
+def _scale(A: torch.Tensor, b: float, arith: _Arith) -> torch.Tensor:
+    return _round(A * b, arith.compute) if not arith.native else A * b
+
+
+def _gram(X0: torch.Tensor, coefficients: Coefficients, restarts: Sequence[int], arith: _Arith) -> torch.Tensor:
+    m = X0.shape[-2]
+    eye = torch.eye(m, dtype=X0.dtype, device=X0.device).expand(*X0.shape[:-2], m, m)
+    R = arith.mm(X0, X0.mT)
+    Q: torch.Tensor | None = None
+    steps = len(coefficients)
+    for k, (a, b, c) in enumerate(coefficients):
+        # P = a I + b R + c R²
+        bR_plus_aI = b * R + a * eye
+        P = arith.addmm(bR_plus_aI, R, R, beta=1.0, alpha=c) if c != 0.0 else _round(bR_plus_aI, arith.compute)
+        Q = P if Q is None else arith.mm(P, Q)
+        last = k == steps - 1
+        if not last and (k + 1) in restarts:
+            X0 = arith.mm(Q, X0)
+            R = arith.mm(X0, X0.mT)
+            Q = None
+        elif not last:
+            R = arith.mm(P, arith.mm(P, R))
+    assert Q is not None
+    return arith.mm(Q, X0)
+
+
+def reference_fp64(
+    x: torch.Tensor, coefficients: Coefficients, eps: float, *, eps_mode: str = "clamp", transpose: bool = False
+) -> torch.Tensor:
+    """The same polynomial, evaluated in fp64 with no intermediate rounding."""
+    return newton_schulz(
+        x.to(torch.float64), coefficients, eps, eps_mode=eps_mode, transpose=transpose,
+        compute_dtype=torch.float64, out_dtype=torch.float64, algorithm="standard",
+    )

@@ -1,0 +1,94 @@
+"""What the machine running the step is good at: measured, cached, overridable.
+
+The cost model of choose-algorithm needs the GEMM throughput of each dtype
+on the target. GPU targets will come from a table (sm80, sm90, sm100); a CPU
+is measured once — small fp32/bf16/fp16 matmuls, a fraction of a second — and
+the result cached in the cache directory. Measured on this project's 2-core
+AVX2 CPUs: fp32 ~90 GFLOP/s, bf16 ~0.7 GFLOP/s (no bf16 GEMM in hardware),
+while CPUs with AMX/AVX512-BF16 run bf16 faster than fp32. Nothing about a
+target is assumed that can be measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    gflops: dict[str, float] = field(default_factory=dict)  # "fp32" / "bf16" / "fp16" -> GEMM GFLOP/s
+
+    def throughput(self, dtype: torch.dtype) -> float:
+        key = next((k for k, v in _DTYPES.items() if v == dtype), "fp32")
+        return self.gflops.get(key, self.gflops.get("fp32", 1.0))
+
+    def fast(self, dtype: torch.dtype) -> bool:
+        """Does a GEMM in ``dtype`` beat the fp32 GEMM here?"""
+        return self.throughput(dtype) >= self.throughput(torch.float32)
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gflops.items()))
+        return f"{self.name} (GEMM GFLOP/s: {rates})"
+
+
+def _cpu_id() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    model += line
+    except OSError:
+        pass
+    text = f"{model}|{torch.__version__}|{torch.get_num_threads()}|{_CALIBRATION_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def cpu_target(cache_dir: Path | None) -> Target:
+    """This CPU, calibrated (cached per CPU model, torch version and threads)."""
+    path = cache_dir / f"target-cpu-{_cpu_id()}.json" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            return Target("cpu", {k: float(v) for k, v in data["gflops"].items()})
+        except (OSError, ValueError, KeyError):
+            pass  # recalibrate below
+    gflops = {name: _measure(dtype) for name, dtype in _DTYPES.items()}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"gflops": gflops}))
+        os.replace(tmp, path)
+    return Target("cpu", gflops)
+
+
+def resolve_target(spec: str | Target | None, cache_dir: Path | None) -> Target:
+    if isinstance(spec, Target):
+        return spec
+    if spec in (None, "auto", "cpu"):
+        return cpu_target(cache_dir)
+    raise ValueError(f"unknown target {spec!r}: use 'auto', 'cpu' or a hocompile.targets.Target")
