@@ -188,8 +188,14 @@ def _trace(
     except CaptureError:
         raise
     except Exception as exc:
+        hint = ""
+        if "dynamo-optimized" in str(exc):
+            hint = (
+                " (the step calls torch.compile'd functions, which cannot be traced; heavyball: "
+                "set heavyball.utils.compile_mode = None to trace its plain Python)"
+            )
         raise CaptureError(
-            f"tracing {type(opt).__name__}.step failed: {type(exc).__name__}: {exc}"
+            f"tracing {type(opt).__name__}.step failed: {type(exc).__name__}: {exc}{hint}"
         ) from exc
     return _TraceResult(
         gm, tracker, result["assigns"], result["clears"], result["side_effects"],
