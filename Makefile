@@ -31,7 +31,7 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/gpt2_muon_step.py --layers 1 --steps 1
+	$(BIN)/python benchmarks/muon_step.py --shapes gpt2-layer
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,19 +19,25 @@ import torch.fx as fx
 
 from ..graph import print_graph
 from ..runtime.cache import CacheWarning, DiskCache, import_from_path
+from .writeback import schedule_writebacks
 
-LOWERING_VERSION = "aten-1"
+LOWERING_VERSION = "aten-2"
 
 
 @dataclass
 class LoweredStep:
-    """A runnable step: ``run(tensors + scalars) -> outputs``."""
+    """A runnable step: ``run(tensors + scalars) -> outputs[kept]``.
+
+    Outputs the generated code already copied into their destination are not
+    returned; ``kept`` lists the indices (into the graph's outputs) that are.
+    """
 
     run: Callable[[list[Any]], tuple[torch.Tensor, ...]]
     path: Path
     key: str
     from_disk: bool
     source: str
+    kept: list[int]
 
 
 def cache_key(gm: fx.GraphModule, pipeline_identity: str) -> str:
@@ -50,7 +56,11 @@ def _constants_digest(gm: fx.GraphModule) -> str:
     return ";".join(parts)
 
 
-def lower_to_aten(gm: fx.GraphModule, key: str, cache: DiskCache, header: str) -> LoweredStep:
+def lower_to_aten(
+    gm: fx.GraphModule, key: str, cache: DiskCache, header: str, copy_into: list[int | None]
+) -> LoweredStep:
+    """Generate, cache and import the step module. Rewrites ``gm`` (write-backs)."""
+    kept = schedule_writebacks(gm, copy_into)
     code = gm.graph.python_code(root_module="self")
     body = f"{header}\n{code.src}"
     cached = cache.read(key)
@@ -73,4 +83,4 @@ def lower_to_aten(gm: fx.GraphModule, key: str, cache: DiskCache, header: str) -
     def run(args: list[Any]) -> tuple[torch.Tensor, ...]:
         return forward(gm, *args)
 
-    return LoweredStep(run, path, key, from_disk, body)
+    return LoweredStep(run, path, key, from_disk, body, kept)

@@ -263,8 +263,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
         opt = self._inner
         tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
         outputs = lowered.run(tensors + list(captured.scalars(env)))
-        # Everything is computed; only now does anything change.
-        for action, value in zip(captured.outputs, outputs):
+        # The generated code wrote most results in place already (writeback.py);
+        # the rest (newly created state, views) is installed here.
+        for action, value in zip((captured.outputs[i] for i in lowered.kept), outputs):
             slot = action.slot
             if action.mode == "copy":
                 slot_tensor(opt, slot).copy_(value)
@@ -294,19 +295,22 @@ class CompiledOptimizer(torch.optim.Optimizer):
         pass_seconds = time.perf_counter() - pass_start
         identity = ";".join(p.identity() for p in self.pipeline if p.name not in self._settings.disabled_passes)
         key = cache_key(gm, identity)
+        final = print_graph(gm)
+        plans, final_stats = decisions(gm), graph_stats(gm)
         lower_start = time.perf_counter()
         header = self._header(key, records)
-        lowered = lower_to_aten(gm, key, self._disk, header)
+        index_of = {slot: i for i, slot in enumerate(captured.inputs)}
+        copy_into = [index_of[a.slot] if a.mode == "copy" else None for a in captured.outputs]
+        lowered = lower_to_aten(gm, key, self._disk, header, copy_into)
         lower_seconds = time.perf_counter() - lower_start
         self.counters.disk_hits += int(lowered.from_disk)
-        final = print_graph(gm)
         if dump_here is not None:
             (dump_here / "lowered.py").write_text(lowered.source)
         if self._settings.debug >= 2:
             log.debug("hocompile final graph:\n%s", final)
         entry = CompiledEntry(
             captured, lowered, records, final, time.perf_counter() - start, pass_seconds, lower_seconds, reason,
-            decisions=decisions(gm), final_stats=graph_stats(gm),
+            decisions=plans, final_stats=final_stats,
         )
         return self._remember(sig, entry, expected)
 

@@ -1,0 +1,252 @@
+"""One Muon step on real model shapes: eager, torch.compile, hocompile and peers, in one run.
+
+    .venv/bin/python benchmarks/muon_step.py                       # GPT-2 small, all variants
+    .venv/bin/python benchmarks/muon_step.py --shapes tiny          # smoke run, seconds
+    .venv/bin/python benchmarks/muon_step.py --shapes d1024x24 --variants hocompile
+
+Each variant runs in its own subprocess (so peak memory is its own and no
+compile cache leaks between variants) on identical fp32 params and grads
+(seeded), for ``first`` + ``steps`` calls: the first call is reported
+separately (it includes capture/compile), the median of the rest is the
+steady step. The parent then compares every variant's params with eager's
+after one step and measures each implementation's Newton–Schulz error
+against an fp64 evaluation of the same polynomial on one matrix per shape.
+
+Variants: eager (torch.optim.Muon), torch.compile (of opt.step), hocompile
+(compile_optimizer(torch.optim.Muon)), emerging (emerging_optimizers Muon with
+Keller Jordan's coefficients, when installed), heavyball (heavyball.Muon, when
+installed). Eager Muon runs its NS in bf16; on CPUs without a bf16 GEMM (this
+project's AVX2 machines: ~0.7 GFLOP/s bf16 vs ~90 fp32) one GPT-2 step takes
+~15 minutes, so the defaults time one steady step for the bf16 variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, list[tuple[int, int]]] = {
+    "gpt2": [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12,
+    "d1024x24": [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)] * 24,
+    "gpt2-layer": [(768, 2304), (768, 768), (768, 3072), (3072, 768)],
+    "tiny": [(64, 192), (64, 64), (64, 256), (256, 64)] * 2,
+}
+MUON_KW: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
+KJ = (3.4445, -4.775, 2.0315)
+# (warmup calls, timed steady calls) per variant. hocompile compiles on its
+# first two calls (the first creates the optimizer state); the bf16 variants
+# are slow on AVX2 CPUs, so eager's single call is both its first and steady.
+DEFAULT_CALLS = {
+    "eager": (1, 0), "torch.compile": (1, 1), "hocompile": (2, 5), "emerging": (1, 0), "heavyball": (1, 1),
+}
+# Variants implementing torch.optim.Muon's update (comparable param for param).
+SAME_UPDATE = {"eager", "torch.compile", "hocompile"}
+
+
+def make_tensors(shapes: list[tuple[int, int]], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    return params, grads
+
+
+def build(variant: str, params: list[torch.Tensor]) -> Any:
+    if variant in ("eager", "torch.compile", "hocompile"):
+        opt = torch.optim.Muon(params, **MUON_KW)
+        if variant == "torch.compile":
+            return torch.compile(opt.step), opt
+        if variant == "hocompile":
+            import hocompile
+
+            compiled = hocompile.compile_optimizer(opt)
+            return compiled.step, compiled
+        return opt.step, opt
+    if variant == "emerging":
+        if not hasattr(typing, "override"):
+            import typing_extensions
+
+            typing.override = typing_extensions.override  # type: ignore[attr-defined]
+        from emerging_optimizers.orthogonalized_optimizers import Muon
+
+        opt = Muon(params, lr=MUON_KW["lr"], momentum=MUON_KW["momentum"], weight_decay=MUON_KW["weight_decay"],
+                   coefficient_type="simple", nesterov=True)
+        return opt.step, opt
+    if variant == "heavyball":
+        import heavyball
+
+        opt = heavyball.Muon(params, lr=MUON_KW["lr"])
+        return opt.step, opt
+    raise ValueError(variant)
+
+
+def child(args: argparse.Namespace) -> int:
+    """Run one variant; write timings, peak memory and final params."""
+    params, grads = make_tensors(SHAPES[args.shapes], args.seed)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step, opt = build(args.variant, params)
+    times = []
+    for i in range(args.warmup + args.steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        print(f"  {args.variant} call {i + 1}: {times[-1]:.3f} s", flush=True)
+        if i == 0:  # variants run different numbers of calls: compare after the first
+            torch.save([p.detach().clone() for p in params], args.params_out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    steady = times[args.warmup:] or times[-1:]
+    result: dict[str, Any] = {
+        "first_call_s": times[0],
+        "warmup_s": times[: args.warmup],
+        "steady_s": steady,
+        "median_steady_s": statistics.median(steady),
+        "peak_rss_growth_mb": (peak - rss_before) / 1024,
+    }
+    if args.variant == "torch.compile":
+        from torch._dynamo.utils import counters
+
+        result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
+    if args.variant == "hocompile":
+        import hocompile
+
+        result["explain"] = hocompile.explain(opt)
+        result["counters"] = dict(opt.counters)
+    Path(args.result_out).write_text(json.dumps(result))
+    return 0
+
+
+def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> dict[str, dict[str, float]]:
+    """Relative NS error vs fp64 of the same polynomial, one matrix per distinct shape."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    import hocompile
+    from hocompile.newton_schulz import newton_schulz, reference_fp64
+    from hocompile.passes.choose_algorithm import decide
+    from hocompile.settings import Settings
+    from hocompile.targets import resolve_target
+
+    target = resolve_target("auto", Settings.resolve().cache_dir)
+    gen = torch.Generator().manual_seed(seed + 1)
+    out: dict[str, dict[str, float]] = {}
+    for shape in dict.fromkeys(shapes):
+        g = torch.randn(shape, generator=gen)
+        ref = reference_fp64(g, [KJ] * 5, 1e-7, transpose=shape[0] > shape[1])
+        errs: dict[str, float] = {}
+        if "eager" in variants or "torch.compile" in variants:
+            errs["eager"] = _rel(_zeropower_via_newtonschulz(g, KJ, 5, 1e-7), ref)
+        if "hocompile" in variants:
+            plan = decide(min(shape), max(shape), 1, [KJ] * 5, torch.bfloat16, "auto", target)
+            x = newton_schulz(g, [KJ] * 5, 1e-7, transpose=shape[0] > shape[1], compute_dtype=plan.compute_dtype,
+                              algorithm=plan.algorithm, restarts=plan.restarts, matmul=plan.matmul,
+                              out_dtype=torch.bfloat16)
+            errs["hocompile"] = _rel(x, ref)
+            errs["hocompile_plan"] = f"{plan.algorithm}/{plan.compute_dtype}"  # type: ignore[assignment]
+        out[f"{shape[0]}x{shape[1]}"] = errs
+    del hocompile
+    return out
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="gpt2")
+    parser.add_argument("--variants", default="hocompile,eager,torch.compile,emerging",
+                        help="comma-separated; also: heavyball")
+    parser.add_argument("--steps", type=int, default=None, help="steady steps for every variant")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-ns-error", action="store_true")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--params-out", help=argparse.SUPPRESS)
+    parser.add_argument("--result-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        return child(args)
+
+    variants = [v for v in args.variants.split(",") if v]
+    shapes = SHAPES[args.shapes]
+    out = args.out or Path(f"benchmarks/results/muon_step_{args.shapes}.json")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; {len(shapes)} matrices ({args.shapes}); "
+          f"variants {variants}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="hocompile-bench-"))
+    results: dict[str, Any] = {}
+    for variant in variants:
+        warmup, steps = DEFAULT_CALLS[variant]
+        steps = args.steps if args.steps is not None else steps
+        cmd = [sys.executable, __file__, "--variant", variant, "--shapes", args.shapes, "--seed", str(args.seed),
+               "--warmup", str(warmup), "--steps", str(steps), "--params-out", str(tmp / f"{variant}.pt"),
+               "--result-out", str(tmp / f"{variant}.json")]
+        print(f"running {variant} ({warmup} warmup + {steps} timed calls) ...", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, check=False)
+        if proc.returncode != 0:
+            results[variant] = {"error": f"exit code {proc.returncode}"}
+            continue
+        results[variant] = json.loads((tmp / f"{variant}.json").read_text())
+        results[variant]["wall_s"] = time.perf_counter() - start
+    final = {v: torch.load(tmp / f"{v}.pt") for v in results if "error" not in results[v]}
+    eager = results.get("eager", {}).get("median_steady_s")
+    compiled = results.get("torch.compile", {}).get("median_steady_s")
+    for v, res in results.items():
+        if "error" in res:
+            continue
+        res["speedup_vs_eager"] = eager / res["median_steady_s"] if eager else None
+        res["speedup_vs_torch_compile"] = compiled / res["median_steady_s"] if compiled else None
+        if "eager" in final and v != "eager" and v in SAME_UPDATE:
+            res["max_rel_param_diff_vs_eager"] = max(
+                ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(final[v], final["eager"])
+            )
+    errors = {} if args.no_ns_error else ns_errors(shapes, variants, args.seed)
+
+    print(f"\n{'variant':<14}{'first call s':>13}{'steady s':>11}{'vs eager':>10}{'vs t.compile':>13}"
+          f"{'peak MB':>9}{'d param':>10}")
+    for v, res in results.items():
+        if "error" in res:
+            print(f"{v:<14} FAILED ({res['error']})")
+            continue
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        print(f"{v:<14}{res['first_call_s']:>13.3f}{res['median_steady_s']:>11.3f}"
+              f"{fmt(res['speedup_vs_eager'], '>10.2f')}{fmt(res['speedup_vs_torch_compile'], '>13.2f')}"
+              f"{res['peak_rss_growth_mb']:>9.0f}{fmt(res.get('max_rel_param_diff_vs_eager'), '>10.1e')}")
+    for shape, errs in errors.items():
+        print(f"NS error vs fp64 {shape}: " + ", ".join(
+            f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in errs.items()))
+    report = {
+        "benchmark": "muon_step",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]),
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "shapes": args.shapes,
+        "n_matrices": len(shapes),
+        "results": results,
+        "ns_error_vs_fp64": errors,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
