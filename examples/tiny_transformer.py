@@ -18,10 +18,17 @@ drop-in replacement for a stock PyTorch optimizer:
 Every 10 steps it prints both losses, the largest parameter difference between the
 two copies and the median optimizer-step time so far. The summary reports whether the
 losses match, the speed-up, the first (capture + compile) step time, the compiled
-optimizers' counters and ``hocompile.explain()`` of the compiled Muon optimizer. The
-exit code is 1 if the losses diverge by more than 1e-5 relative.
+optimizers' counters and ``hocompile.explain()`` of the compiled Muon optimizer.
 
-Run: ``.venv/bin/python examples/tiny_transformer.py [--steps 60]``
+What "match" means: by default hocompile fuses Muon's Newton–Schulz into one
+op and plans it for this machine; on a CPU without a bf16 GEMM it computes in
+fp32 (faster there, and more accurate than eager's bf16), so the two runs
+round differently and the losses agree to about bf16 precision: the exit code
+is 1 if they differ by more than 2e-2 relative. With ``--exact`` the NS passes
+are off, the compiled step runs eager's own kernels, and the losses must be
+bit-identical (tolerance 1e-5 relative, expected 0).
+
+Run: ``.venv/bin/python examples/tiny_transformer.py [--steps 60] [--exact]``
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 VOCAB, D_MODEL, N_LAYERS, N_HEADS, SEQ, BATCH = 64, 64, 2, 4, 32, 16
-REL_TOL = 1e-5
+REL_TOL = {"exact": 1e-5, "default": 2e-2}
 
 
 class Block(nn.Module):
@@ -158,7 +165,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="model init seed")
+    parser.add_argument("--exact", action="store_true", help="compile without the Newton-Schulz passes")
     args = parser.parse_args()
+    options = {"disable_passes": ["fuse-newton-schulz", "choose-algorithm"]} if args.exact else {}
+    tolerance = REL_TOL["exact" if args.exact else "default"]
     steps: int = max(1, args.steps)
 
     torch.manual_seed(args.seed)
@@ -168,8 +178,8 @@ def main() -> int:
 
     eager_muon, eager_adamw = make_optimizers(eager_model)
     raw_muon, raw_adamw = make_optimizers(comp_model)
-    comp_muon = hocompile.compile_optimizer(raw_muon)
-    comp_adamw = hocompile.compile_optimizer(raw_adamw)
+    comp_muon = hocompile.compile_optimizer(raw_muon, **options)
+    comp_adamw = hocompile.compile_optimizer(raw_adamw, **options)
     eager_sched = torch.optim.lr_scheduler.LambdaLR(eager_muon, lr_lambda(steps))
     comp_sched = torch.optim.lr_scheduler.LambdaLR(comp_muon, lr_lambda(steps))
 
@@ -195,9 +205,10 @@ def main() -> int:
         eager_times.append(t_e)
         comp_times.append(t_c)
         if step % 10 == 0 or step == steps:
-            # Medians exclude step 1 (the compiled step 1 includes capture + compile).
-            med_e = statistics.median(eager_times[1:] or eager_times)
-            med_c = statistics.median(comp_times[1:] or comp_times)
+            # Medians exclude steps 1-2: the compiled ones include capture + compile
+            # (step 1 creates the optimizer state, step 2 compiles the steady graph).
+            med_e = statistics.median(eager_times[2:] or eager_times)
+            med_c = statistics.median(comp_times[2:] or comp_times)
             print(
                 f"{step:>5} {loss_e:>12.6f} {loss_c:>14.6f} "
                 f"{max_param_diff(eager_model, comp_model):>10.2e} "
@@ -206,20 +217,20 @@ def main() -> int:
 
     worst = max(rel_diff(a, b) for a, b in zip(eager_losses, comp_losses, strict=True))
     exact = eager_losses == comp_losses
-    med_e = statistics.median(eager_times[1:] or eager_times)
-    med_c = statistics.median(comp_times[1:] or comp_times)
-    ok = worst <= REL_TOL
+    med_e = statistics.median(eager_times[2:] or eager_times)
+    med_c = statistics.median(comp_times[2:] or comp_times)
+    ok = worst <= tolerance
 
     print("\n=== summary ===")
     print(f"loss: first {eager_losses[0]:.4f} -> last eager {eager_losses[-1]:.4f}, compiled {comp_losses[-1]:.4f}")
     print(
         f"losses match: {'exactly (bitwise)' if exact else 'no, not bitwise'}; "
-        f"max relative difference {worst:.3e} (tolerance {REL_TOL:g}) -> "
+        f"max relative difference {worst:.3e} (tolerance {tolerance:g}) -> "
         f"{'OK' if ok else 'DIVERGED'}"
     )
     print(f"final max |param difference|: {max_param_diff(eager_model, comp_model):.3e}")
     print(
-        f"median optimizer step (steps 2..{steps}): eager {med_e * 1e3:.2f} ms, "
+        f"median optimizer step (steps 3..{steps}): eager {med_e * 1e3:.2f} ms, "
         f"compiled {med_c * 1e3:.2f} ms, speed-up x{med_e / med_c:.2f}"
     )
     print(

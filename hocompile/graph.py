@@ -239,3 +239,32 @@ def graph_stats(gm: fx.GraphModule) -> dict[str, int]:
             if name == "hocompile.newton_schulz":
                 stats["newton-schulz"] += 1
     return stats
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder so every node follows its inputs, otherwise keeping the order.
+
+    Passes that create a node reading values from far apart (a stack over a
+    whole shape group) insert it anywhere and let this fix the order.
+    """
+    placed: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    output = next(n for n in graph.nodes if n.op == "output")
+    for root in list(graph.nodes):
+        if root is output or root in placed:
+            continue
+        stack: list[tuple[fx.Node, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in placed:
+                continue
+            if expanded:
+                placed.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for arg in reversed(node.all_input_nodes):
+                if arg not in placed:
+                    stack.append((arg, False))
+    for node in order:
+        output.prepend(node)

@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_CALIBRATION_VERSION = 1
+_CALIBRATION_VERSION = 2
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
     gflops: dict[str, float] = field(default_factory=dict)  # "fp32" / "bf16" / "fp16" -> GEMM GFLOP/s
+    # One bmm over a stack beats a loop of mm (GPUs: one launch per group).
+    prefers_batched: bool = False
 
     def throughput(self, dtype: torch.dtype) -> float:
         key = next((k for k, v in _DTYPES.items() if v == dtype), "fp32")
@@ -40,7 +42,8 @@ class Target:
 
     def describe(self) -> str:
         rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gflops.items()))
-        return f"{self.name} (GEMM GFLOP/s: {rates})"
+        batched = "bmm" if self.prefers_batched else "loop of mm"
+        return f"{self.name} (GEMM GFLOP/s: {rates}; stacks run as {batched})"
 
 
 def _cpu_id() -> str:
@@ -68,22 +71,39 @@ def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def _bmm_beats_loop(batch: int = 8, size: int = 192, repeats: int = 3) -> bool:
+    x = torch.randn(batch, size, size)
+    y = torch.randn(batch, size, size)
+    loop, bmm = float("inf"), float("inf")
+    torch.bmm(x, y)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(batch):
+            x[i] @ y[i]
+        loop = min(loop, time.perf_counter() - start)
+        start = time.perf_counter()
+        torch.bmm(x, y)
+        bmm = min(bmm, time.perf_counter() - start)
+    return bmm < 0.9 * loop  # only a clear win: stacking costs copies
+
+
 def cpu_target(cache_dir: Path | None) -> Target:
     """This CPU, calibrated (cached per CPU model, torch version and threads)."""
     path = cache_dir / f"target-cpu-{_cpu_id()}.json" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             data = json.loads(path.read_text())
-            return Target("cpu", {k: float(v) for k, v in data["gflops"].items()})
+            return Target("cpu", {k: float(v) for k, v in data["gflops"].items()}, bool(data["prefers_batched"]))
         except (OSError, ValueError, KeyError):
             pass  # recalibrate below
     gflops = {name: _measure(dtype) for name, dtype in _DTYPES.items()}
+    batched = _bmm_beats_loop()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"gflops": gflops}))
+        tmp.write_text(json.dumps({"gflops": gflops, "prefers_batched": batched}))
         os.replace(tmp, path)
-    return Target("cpu", gflops)
+    return Target("cpu", gflops, batched)
 
 
 def resolve_target(spec: str | Target | None, cache_dir: Path | None) -> Target:

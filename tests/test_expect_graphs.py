@@ -8,12 +8,14 @@ from expecttest import TestCase
 from hocompile.capture import capture
 from hocompile.graph import print_graph
 from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.passes import Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, Pass, run_pipeline
+from hocompile.passes import BatchByShape, Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, Pass, run_pipeline
 from hocompile.targets import Target
 
 # A fixed target so plans do not depend on the machine running the tests:
 # fp32 GEMMs 100x faster than bf16, like this project's AVX2 CPUs.
 AVX2_LIKE = Target("test-cpu", {"fp32": 100.0, "bf16": 1.0, "fp16": 1.0})
+# A target where one bmm over a stack beats a loop of mm (a GPU).
+BATCHING = Target("test-gpu", {"fp32": 100.0, "bf16": 400.0, "fp16": 400.0}, prefers_batched=True)
 
 
 def _graph(
@@ -148,6 +150,52 @@ graph step(
   t8: f32[8, 8] = aten.mul.Tensor(p0_1, h3)  # capture
   t9: f32[8, 8] = aten.add.Tensor(t8, t7, alpha=h4)  # capture
   return (t4, t0, t9, t5)
+""")
+
+    def test_muon_after_batch_by_shape(self) -> None:
+        # 8x4 is tall: it joins the 4x8 batch through a transpose; 4x4 stays alone.
+        params = [torch.zeros(8, 4), torch.zeros(4, 8), torch.zeros(4, 4)]
+        opt = torch.optim.Muon(params, lr=0.02, ns_steps=2)
+        passes = (Canonicalize(), FuseNewtonSchulz(), BatchByShape(target=BATCHING))
+        self.assertExpectedInline(_graph(opt, params, passes), """\
+graph step(
+  p0_0: f32[8, 4]  # param_groups[0]['params'][0]
+  g0_0: f32[8, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: f32[8, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: f32[4, 8]  # param_groups[0]['params'][1]
+  g0_1: f32[4, 8]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: f32[4, 8]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  p0_2: f32[4, 4]  # param_groups[0]['params'][2]
+  g0_2: f32[4, 4]  # param_groups[0]['params'][2].grad
+  s0_2_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][2]]['momentum_buffer']
+  h0: f64 (host) = 1.0 - g0.momentum
+  h1: f64 (host) = g0.momentum
+  h2: f64 (host) = g0.eps
+  h3: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h4: f64 (host) = -(g0.lr * 1.4142135623730951)
+  h5: f64 (host) = -(g0.lr * 1.0)
+):
+  t0: f32[8, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: f32[8, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t2: f32[8, 4] = aten.mul.Tensor(p0_0, h3)  # capture
+  t3: f32[4, 8] = aten.permute(t1, [1, 0])  # batch-by-shape
+  t4: f32[4, 8] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
+  t5: f32[4, 8] = aten.lerp.Scalar(g0_1, t4, h1)  # capture
+  t6: f32[2, 4, 8] = aten.stack([t3, t5])  # batch-by-shape
+  t7: bf16[2, 4, 8] = hocompile.newton_schulz(t6, [(3.4445, -4.775, 2.0315)x2], eps=h2 clamp, wide, bf16->bf16, standard, native)  # batch-by-shape
+  t8: (bf16[4, 8], bf16[4, 8]) = aten.unbind.int(t7)  # batch-by-shape
+  t9: bf16[4, 8] = getitem(t8, 0)  # batch-by-shape
+  t10: bf16[8, 4] = aten.permute(t9, [1, 0])  # batch-by-shape
+  t11: f32[8, 4] = aten.add.Tensor(t2, t10, alpha=h4)  # capture
+  t12: f32[4, 8] = aten.mul.Tensor(p0_1, h3)  # capture
+  t13: bf16[4, 8] = getitem(t8, 1)  # batch-by-shape
+  t14: f32[4, 8] = aten.add.Tensor(t12, t13, alpha=h5)  # capture
+  t15: f32[4, 4] = aten.lerp.Scalar(s0_2_momentum_buffer, g0_2, h0)  # capture
+  t16: f32[4, 4] = aten.lerp.Scalar(g0_2, t15, h1)  # capture
+  t17: bf16[4, 4] = hocompile.newton_schulz(t16, [(3.4445, -4.775, 2.0315)x2], eps=h2 clamp, wide, bf16->bf16, standard, native)  # fuse-newton-schulz
+  t18: f32[4, 4] = aten.mul.Tensor(p0_2, h3)  # capture
+  t19: f32[4, 4] = aten.add.Tensor(t18, t17, alpha=h5)  # capture
+  return (t11, t0, t14, t4, t19, t15)
 """)
 
     def test_adamw_two_params_captured(self) -> None:

@@ -15,7 +15,7 @@ import hocompile
 from hocompile.capture import capture
 from hocompile.host_scalars import STRUCTURAL_KEYS
 from hocompile.newton_schulz import flops, newton_schulz, reference_fp64
-from hocompile.passes import Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, run_pipeline
+from hocompile.passes import BatchByShape, Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, run_pipeline
 from hocompile.passes.choose_algorithm import decide
 from hocompile.targets import Target
 
@@ -306,3 +306,61 @@ def test_whole_step_trajectory_at_least_as_accurate_as_eager(impl: str, cache_di
     for e, x, c in zip(runs["eager"], runs["exact"], runs["compiled"]):
         assert (c - x).norm() <= 1.25 * (e - x).norm() + 1e-6
         assert (e - x).norm() > 0  # eager really is the less accurate one here
+
+
+# ------------------------------------------------------------- batch-by-shape
+
+GPU_LIKE = Target("gpu-like", {"fp32": 100.0, "bf16": 400.0, "fp16": 400.0}, prefers_batched=True)
+GPT2_LAYER = [(24, 72), (24, 24), (24, 96), (96, 24)] * 3  # GPT-2's four shapes, scaled by 1/32
+
+
+def _batched(opt: torch.optim.Optimizer, params: list[torch.Tensor], **kw: Any) -> tuple[list[Any], Any]:
+    for p in params:
+        p.grad = torch.randn_like(p)
+    gm = capture(opt, STRUCTURAL_KEYS).gm
+    gm, records = run_pipeline(gm, (Canonicalize(), FuseNewtonSchulz(), BatchByShape(target=GPU_LIKE, **kw)))
+    return [n for n in gm.graph.nodes if n.target is NS], records[-1]
+
+
+@pytest.mark.parametrize("impl", ["torch", "user", "emerging"])
+def test_one_newton_schulz_op_per_shape_group(impl: str) -> None:
+    params = make_params(GPT2_LAYER)
+    factory = {"torch": torch.optim.Muon, "user": UserMuon, "emerging": emerging_muon}[impl]
+    ops, record = _batched(factory(params), params)
+    # 24x96 and 96x24 share a batch through the transpose: 3 groups of 3, 3, 6
+    assert sorted(int(n.args[0].meta["val"].shape[0]) for n in ops) == [3, 3, 6]
+    assert record.summary == "12 ops in 3 batched op(s)"
+
+
+def test_batch_cap_splits_groups() -> None:
+    params = make_params([(8, 16)] * 5)
+    ops, _ = _batched(torch.optim.Muon(params), params, max_batch=2)
+    batched = [tuple(n.args[0].meta["val"].shape) for n in ops if n.args[0].meta["val"].dim() == 3]
+    single = [tuple(n.args[0].meta["val"].shape) for n in ops if n.args[0].meta["val"].dim() == 2]
+    assert batched == [(2, 8, 16), (2, 8, 16)] and single == [(8, 16)]  # chunks of 2, 2 and a lone 1
+
+
+def test_batching_declines_where_a_loop_is_faster() -> None:
+    params = make_params([(8, 16)] * 2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    gm = capture(torch.optim.Muon(params), STRUCTURAL_KEYS).gm
+    _, records = run_pipeline(gm, (Canonicalize(), FuseNewtonSchulz(), BatchByShape(target=AVX2_LIKE)))
+    assert records[-1].status == "unchanged" and "loop of mm faster than one bmm" in records[-1].summary
+
+
+def test_batched_step_matches_unbatched(cache_dir) -> None:
+    runs = []
+    for target in (AVX2_LIKE, Target("avx2-batching", dict(AVX2_LIKE.gflops), prefers_batched=True)):
+        params = make_params(GPT2_LAYER)
+        opt = hocompile.compile_optimizer(torch.optim.Muon(params, lr=0.02), cache_dir=cache_dir, target=target)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append(params)
+        report = hocompile.explain(opt)
+        assert ("3 batched op(s)" in report) == target.prefers_batched
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..targets import Target
 from .base import Pass, PassResult
+from .batch_by_shape import BatchByShape
 from .canonicalize import Canonicalize
 from .choose_algorithm import ChooseAlgorithm
 from .fuse_newton_schulz import FuseNewtonSchulz
@@ -19,11 +20,13 @@ def default_pipeline(target: Target, precision: str = "auto") -> tuple[Pass, ...
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
+        BatchByShape(target=target),
         ChooseAlgorithm(target=target, precision=precision),
     )
 
 
 __all__ = [
+    "BatchByShape",
     "Canonicalize",
     "ChooseAlgorithm",
     "FuseNewtonSchulz",
