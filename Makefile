@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,peers]"
-	# emerging-optimizers 0.3.0 declares Python >= 3.12 but runs on 3.11; pinned (a 999.9.9 placeholder exists)
+	$(BIN)/pip install -q -e ".[test,peers]" "triton==3.9.0"
+	# emerging-optimizers 0.3.0 declares Python >= 3.12 but runs on 3.11; pinned (a 999.9.9 placeholder
+	# exists). It imports triton (above) for its optional SYRK kernels.
 	$(BIN)/pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py
 	touch $(STAMP)
 
