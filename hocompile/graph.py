@@ -214,13 +214,14 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
 
 
 def decisions(gm: fx.GraphModule) -> list[str]:
-    """One line per node that carries a recorded decision: input shape -> plan."""
-    lines = []
+    """Recorded decisions, one line per distinct (op, input, decision), with a count."""
+    counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if DECISION in node.meta:
             src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-            lines.append(f"{_target_name(node.target)} {describe_value(src)}: {node.meta[DECISION]}")
-    return lines
+            line = f"{_target_name(node.target)} {describe_value(src)}: {node.meta[DECISION]}"
+            counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{n} x {line}" for line, n in counts.items()]
 
 
 def graph_stats(gm: fx.GraphModule) -> dict[str, int]:

@@ -7,6 +7,12 @@ the result cached in the cache directory. Measured on this project's 2-core
 AVX2 CPUs: fp32 ~90 GFLOP/s, bf16 ~0.7 GFLOP/s (no bf16 GEMM in hardware),
 while CPUs with AMX/AVX512-BF16 run bf16 faster than fp32. Nothing about a
 target is assumed that can be measured.
+
+Calibrate on an idle machine: under load, multi-threaded GEMMs slow down
+unevenly (measured here: fp32 MKL fell from ~90 to ~2 GFLOP/s while another
+process kept both cores busy). The result is cached as
+``<cache dir>/target-cpu-*.json`` and shown by explain(); delete the file to
+measure again.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def _cpu_id() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
+def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 5) -> float:
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     a @ b  # warm up
@@ -71,7 +77,7 @@ def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
     return 2 * size**3 / best / 1e9
 
 
-def _bmm_beats_loop(batch: int = 8, size: int = 192, repeats: int = 3) -> bool:
+def _bmm_beats_loop(batch: int = 8, size: int = 192, repeats: int = 5) -> bool:
     x = torch.randn(batch, size, size)
     y = torch.randn(batch, size, size)
     loop, bmm = float("inf"), float("inf")
