@@ -279,6 +279,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
     def _compile(self, sig: Signature, reason: str, expected: bool = False) -> CompiledEntry:
         validate(self._inner)
         start = time.perf_counter()
+        n_params = sum(1 for g in self._inner.param_groups for p in g["params"] if p.grad is not None)
+        name = type(self._inner).__name__
+        log.info("hocompile: compiling %s step (%d params with grads): %s", name, n_params, reason)
         try:
             captured = capture(self._inner, self._settings.structural_keys)
         except CaptureError as exc:
@@ -312,6 +315,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             captured, lowered, records, final, time.perf_counter() - start, pass_seconds, lower_seconds, reason,
             decisions=plans, final_stats=final_stats,
         )
+        log.info("hocompile: compiled in %.2f s (cache key %s)", entry.compile_seconds, key[:16])
         return self._remember(sig, entry, expected)
 
     def _remember(self, sig: Signature, entry: CompiledEntry, expected: bool) -> CompiledEntry:
