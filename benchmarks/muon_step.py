@@ -6,9 +6,12 @@
 
 Each variant runs in its own subprocess (so peak memory is its own and no
 compile cache leaks between variants) on identical fp32 params and grads
-(seeded), for ``first`` + ``steps`` calls: the first call is reported
-separately (it includes capture/compile), the median of the rest is the
-steady step. The parent then compares every variant's params with eager's
+(seeded), for warmup + timed calls: the first call is reported separately
+(it includes capture/compile), the median of the timed ones is the steady
+step. Memory: "peak MB" is the process's peak RSS growth from before the
+optimizer was built (includes imports, compilers, state); "step MB" is what
+the last (steady) call adds at its peak over the RSS it started with,
+sampled every 2 ms. The parent then compares every variant's params with eager's
 after one step and measures each implementation's Newton–Schulz error
 against an fp64 evaluation of the same polynomial on one matrix per shape.
 
@@ -94,18 +97,50 @@ def build(variant: str, params: list[torch.Tensor]) -> Any:
     raise ValueError(variant)
 
 
+class RssSampler:
+    """Peak resident memory while running, sampled from /proc every few ms."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def child(args: argparse.Namespace) -> int:
     """Run one variant; write timings, peak memory and final params."""
     params, grads = make_tensors(SHAPES[args.shapes], args.seed)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step, opt = build(args.variant, params)
     times = []
+    step_peaks = []
     for i in range(args.warmup + args.steps):
         for p, g in zip(params, grads):
             p.grad = g.clone()
+        before = RssSampler.now()
         start = time.perf_counter()
-        step()
+        with RssSampler() as sampler:
+            step()
         times.append(time.perf_counter() - start)
+        step_peaks.append((sampler.peak - before) / 2**20)
         print(f"  {args.variant} call {i + 1}: {times[-1]:.3f} s", flush=True)
         if i == 0:  # variants run different numbers of calls: compare after the first
             torch.save([p.detach().clone() for p in params], args.params_out)
@@ -117,6 +152,9 @@ def child(args: argparse.Namespace) -> int:
         "steady_s": steady,
         "median_steady_s": statistics.median(steady),
         "peak_rss_growth_mb": (peak - rss_before) / 1024,
+        # memory the step itself adds at its peak (the last call: steady state)
+        "step_peak_mb": step_peaks[-1],
+        "step_peaks_mb": step_peaks,
     }
     if args.variant == "torch.compile":
         from torch._dynamo.utils import counters
@@ -219,7 +257,7 @@ def main() -> int:
     errors = {} if args.no_ns_error else ns_errors(shapes, variants, args.seed)
 
     print(f"\n{'variant':<14}{'first call s':>13}{'steady s':>11}{'vs eager':>10}{'vs t.compile':>13}"
-          f"{'peak MB':>9}{'d param':>10}")
+          f"{'peak MB':>9}{'step MB':>9}{'d param':>10}")
     for v, res in results.items():
         if "error" in res:
             print(f"{v:<14} FAILED ({res['error']})")
@@ -227,7 +265,8 @@ def main() -> int:
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
         print(f"{v:<14}{res['first_call_s']:>13.3f}{res['median_steady_s']:>11.3f}"
               f"{fmt(res['speedup_vs_eager'], '>10.2f')}{fmt(res['speedup_vs_torch_compile'], '>13.2f')}"
-              f"{res['peak_rss_growth_mb']:>9.0f}{fmt(res.get('max_rel_param_diff_vs_eager'), '>10.1e')}")
+              f"{res['peak_rss_growth_mb']:>9.0f}{res['step_peak_mb']:>9.0f}"
+              f"{fmt(res.get('max_rel_param_diff_vs_eager'), '>10.1e')}")
     for shape, errs in errors.items():
         print(f"NS error vs fp64 {shape}: " + ", ".join(
             f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in errs.items()))
