@@ -20,9 +20,9 @@ coefficients, eps, rounding, algorithm. A cap bounds the stack (count and
 bytes), since stacked inputs and outputs of a whole group are alive at once.
 
 Whether batching pays is the target's call: on GPUs one launch per group
-instead of per matrix; on this project's CPUs a loop of ``mm`` measured faster
-than one ``bmm`` over the stack, so there the pass declines (the stack would
-only add copies) unless ``force=True``.
+instead of per matrix; on this project's CPUs stacking measured no faster
+than a loop of ``mm`` and multiplied the step's peak memory (see
+targets.cpu_target), so there the pass declines unless ``force=True``.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class BatchByShape(Pass):
             return PassResult(gm, False, self.decline("no Newton–Schulz op to batch"))
         if not (self.force or self.target.prefers_batched):
             reason = (
-                f"{self.target.name} runs a loop of mm faster than one bmm (measured); "
-                "batching would only add copies"
+                f"{self.target.name} does not gain from stacking (a loop of mm is as fast there); "
+                "batching would only add copies and memory"
             )
             return PassResult(gm, False, self.decline(reason))
         groups: dict[tuple[Any, ...], list[fx.Node]] = {}
