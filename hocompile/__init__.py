@@ -17,6 +17,7 @@ from .runtime import CompiledOptimizer, UnsupportedParameterError
 from .runtime.cache import CacheWarning
 from .runtime.explain import explain
 from .settings import Settings
+from .targets import Target
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,7 @@ def compile_optimizer(
     disable_passes: tuple[str, ...] | list[str] | None = None,
     debug: int | None = None,
     precision: str = "auto",
-    target: str = "auto",
+    target: str | Target = "auto",
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -75,6 +76,7 @@ __all__ = [
     "CaptureError",
     "CompiledOptimizer",
     "Settings",
+    "Target",
     "UnsupportedParameterError",
     "compile_optimizer",
     "explain",

@@ -175,6 +175,7 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
     names: dict[fx.Node, str] = {}
     lines: list[str] = []
     counter = 0
+    scalars = 0
     inputs: list[str] = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -183,7 +184,8 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
                 names[node] = role.label()
                 inputs.append(f"  {names[node]}: {describe_value(node.meta.get('val'))}  # {role.describe()}")
             else:
-                names[node] = f"h{len([n for n in names.values() if n.startswith('h')])}"
+                names[node] = f"h{scalars}"
+                scalars += 1
                 expr = getattr(role, "pretty", lambda: "?")()
                 inputs.append(f"  {names[node]}: f64 (host) = {expr}")
             continue

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .host_scalars import STRUCTURAL_KEYS
 from .runtime.cache import default_cache_dir
+from .targets import Target
 
 FALLBACKS = ("error", "eager")
 
@@ -31,7 +32,7 @@ class Settings:
     fallback: str = "error"
     structural_keys: frozenset[str] = STRUCTURAL_KEYS
     precision: str = "auto"
-    target: str = "auto"
+    target: str | Target = "auto"
 
     @staticmethod
     def resolve(
@@ -43,7 +44,7 @@ class Settings:
         fallback: str = "error",
         structural_keys: tuple[str, ...] | list[str] = (),
         precision: str = "auto",
-        target: str = "auto",
+        target: str | Target = "auto",
     ) -> Settings:
         from .passes.choose_algorithm import PRECISIONS
 

@@ -7,6 +7,7 @@ import torch
 from hocompile.capture import capture
 from hocompile.graph import InputSlot, verify
 from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.scalars import HyperParam
 
 from .helpers import UserMuon, emerging_muon, make_params
 
@@ -56,7 +57,7 @@ def test_capture_restores_the_optimizer() -> None:
     groups_before = [dict(g) for g in opt.param_groups]
     capture(opt, STRUCTURAL_KEYS)
     assert [dict(g) for g in opt.param_groups] == groups_before
-    assert all(type(v) is not float or type(v) is float for g in opt.param_groups for v in g.values())
+    assert not any(isinstance(v, HyperParam) for g in opt.param_groups for v in g.values())
     assert type(opt.param_groups[0]["lr"]) is float
     assert opt.param_groups[0]["params"][0] is params[0]
     assert len(opt.state) == 0

@@ -44,6 +44,8 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers hocompile::newton_schulz)
+from ..graph import ROLE
+from ..scalars import Expr
 from .base import Pass, PassResult
 
 aten = torch.ops.aten
@@ -199,9 +201,9 @@ def _normalization(div: fx.Node) -> tuple[Any, Any, str] | None:
 
 def _scalar_arg(arg: Any) -> bool:
     """A constant or a host scalar (hyperparameter) input."""
-    return _number(arg) or (isinstance(arg, fx.Node) and arg.op == "placeholder" and not hasattr(
-        arg.meta.get("hocompile.role"), "kind"
-    ))
+    return _number(arg) or (
+        isinstance(arg, fx.Node) and arg.op == "placeholder" and isinstance(arg.meta.get(ROLE), Expr)
+    )
 
 
 def _match(div: fx.Node) -> tuple[_Chain | None, str]:

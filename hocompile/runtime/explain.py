@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..graph import ROLE
+from ..scalars import Expr
 from .compiled_optimizer import CompiledEntry, CompiledOptimizer
 
 
@@ -45,7 +46,7 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
             f"  after passes: {final['ops']} ops ({final['matmuls']} matmuls, "
             f"{final['newton-schulz']} newton_schulz)"
         )
-    scalars = [n for n in cap.gm.graph.nodes if n.op == "placeholder" and not hasattr(n.meta.get(ROLE), "kind")]
+    scalars = [n for n in cap.gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get(ROLE), Expr)]
     if scalars:
         lines.append("  host scalars (evaluated before each step, in eager's order):")
         lines += [f"    {n.name} = {n.meta[ROLE].pretty()}" for n in scalars]
