@@ -33,6 +33,8 @@ def compile_optimizer(
     debug: int | None = None,
     precision: str = "auto",
     target: str | Target = "auto",
+    backend: str = "auto",
+    cuda_graphs: bool = False,
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -49,8 +51,16 @@ def compile_optimizer(
             eager optimizer's dtype where the target has a fast GEMM for it
             and computes in fp32 where it does not (faster there, and more
             accurate); ``"fp32"``, ``"bf16"``, ``"fp16"`` force one.
-        target: ``"auto"`` (measure this machine) or a
-            :class:`hocompile.targets.Target`.
+        target: ``"auto"`` (measure this CPU, or read the GPU's row of the
+            table), a GPU architecture (``"sm80"``, ``"sm90"``, ``"sm100"``)
+            or a :class:`hocompile.targets.Target`.
+        backend: ``"auto"`` (generated Triton kernels for CUDA params, aten
+            for CPU params), ``"aten"``, or ``"triton"`` (on CPU params the
+            kernels run in Triton's interpreter: for tests and tiny models).
+        cuda_graphs: with the Triton backend, capture each steady-state step
+            once and replay it as a CUDA graph. Learning-rate schedules and
+            new grad tensors stay valid: kernels read scalars and addresses
+            from device tables refreshed before every replay.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -67,6 +77,8 @@ def compile_optimizer(
         structural_keys=structural_keys,
         precision=precision,
         target=target,
+        backend=backend,
+        cuda_graphs=cuda_graphs,
     )
     return CompiledOptimizer(optimizer, settings)
 

@@ -21,6 +21,7 @@ from .runtime.cache import default_cache_dir
 from .targets import Target
 
 FALLBACKS = ("error", "eager")
+BACKENDS = ("auto", "aten", "triton")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Settings:
     structural_keys: frozenset[str] = STRUCTURAL_KEYS
     precision: str = "auto"
     target: str | Target = "auto"
+    backend: str = "auto"
+    cuda_graphs: bool = False
 
     @staticmethod
     def resolve(
@@ -45,11 +48,15 @@ class Settings:
         structural_keys: tuple[str, ...] | list[str] = (),
         precision: str = "auto",
         target: str | Target = "auto",
+        backend: str = "auto",
+        cuda_graphs: bool = False,
     ) -> Settings:
         from .passes.choose_algorithm import PRECISIONS
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
         env_dump = os.environ.get("HOCOMPILE_DUMP_DIR")
@@ -69,6 +76,8 @@ class Settings:
             structural_keys=STRUCTURAL_KEYS | frozenset(structural_keys),
             precision=precision,
             target=target,
+            backend=backend,
+            cuda_graphs=cuda_graphs,
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)

@@ -38,6 +38,9 @@ class Target:
     gflops: dict[str, float] = field(default_factory=dict)  # "fp32" / "bf16" / "fp16" -> GEMM GFLOP/s
     # One bmm over a stack beats a loop of mm (GPUs: one launch per group).
     prefers_batched: bool = False
+    # Largest stack batch-by-shape builds (stacked input + output of a group
+    # are alive at once): bounds the step's peak memory.
+    stack_bytes: int = 256 * 2**20
 
     def throughput(self, dtype: torch.dtype) -> float:
         key = next((k for k, v in _DTYPES.items() if v == dtype), "fp32")
@@ -100,9 +103,36 @@ def cpu_target(cache_dir: Path | None) -> Target:
     return Target("cpu", gflops, batched)
 
 
-def resolve_target(spec: str | Target | None, cache_dir: Path | None) -> Target:
+# Dense GEMM throughput from the vendors' data sheets, GFLOP/s (SXM parts;
+# fp32 is the CUDA-core rate, "tf32" the tensor-core fp32 path). The
+# choose-algorithm cost model only needs their ratios.
+GPU_GFLOPS: dict[str, dict[str, float]] = {
+    "sm80": {"fp32": 19_500, "tf32": 156_000, "bf16": 312_000, "fp16": 312_000},
+    "sm89": {"fp32": 91_600, "tf32": 183_000, "bf16": 362_000, "fp16": 362_000},
+    "sm90": {"fp32": 67_000, "tf32": 495_000, "bf16": 989_000, "fp16": 989_000},
+    "sm100": {"fp32": 80_000, "tf32": 1_100_000, "bf16": 2_250_000, "fp16": 2_250_000},
+    "sm103": {"fp32": 75_000, "tf32": 1_100_000, "bf16": 2_250_000, "fp16": 2_250_000},
+}
+
+
+def gpu_target(arch: str) -> Target:
+    """A GPU architecture's row of the table: GPUs gain from one launch per group."""
+    if arch not in GPU_GFLOPS:
+        raise ValueError(f"unknown GPU architecture {arch!r}; known: {sorted(GPU_GFLOPS)}")
+    # Tens of GiB of device memory: a whole model's group fits one stack
+    # (GPT-2's 24 768x3072 matrices: 0.45 GB), which keeps launches per group.
+    return Target(arch, dict(GPU_GFLOPS[arch]), prefers_batched=True, stack_bytes=4 * 2**30)
+
+
+def resolve_target(spec: str | Target | None, cache_dir: Path | None, device: torch.device | None = None) -> Target:
     if isinstance(spec, Target):
         return spec
+    if spec in (None, "auto") and device is not None and device.type == "cuda":
+        from .lowering.triton import device_arch
+
+        return gpu_target(device_arch(device))
     if spec in (None, "auto", "cpu"):
         return cpu_target(cache_dir)
-    raise ValueError(f"unknown target {spec!r}: use 'auto', 'cpu' or a hocompile.targets.Target")
+    if isinstance(spec, str) and spec in GPU_GFLOPS:
+        return gpu_target(spec)
+    raise ValueError(f"unknown target {spec!r}: use 'auto', 'cpu', one of {sorted(GPU_GFLOPS)} or a Target")

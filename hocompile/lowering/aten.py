@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,11 @@ class LoweredStep:
     from_disk: bool
     source: str
     kept: list[int]
+    backend: str = "aten"
+    kernels: list[Any] = field(default_factory=list)  # KernelSource, for the triton backend
+    launches: int = 0  # kernel launches per step (triton backend)
+    units: list[str] = field(default_factory=list)  # what each launch is, for explain()
+    graphed: bool = False  # replayed from a CUDA graph (runtime/step_graph.py)
 
 
 def cache_key(gm: fx.GraphModule, pipeline_identity: str) -> str:

@@ -27,7 +27,7 @@ def _is_view(node: fx.Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
-def _readers(node: fx.Node) -> list[fx.Node]:
+def readers(node: fx.Node) -> list[fx.Node]:
     """Nodes reading ``node``'s storage: users, and users of views of it."""
     out: list[fx.Node] = []
     stack = list(node.users)
@@ -57,7 +57,7 @@ def schedule_writebacks(gm: fx.GraphModule, copy_into: list[int | None]) -> list
             kept.append(index)
             continue
         dest = placeholders[dest_index]
-        anchor = max([value, *_readers(dest)], key=order.__getitem__)
+        anchor = max([value, *readers(dest)], key=order.__getitem__)
         with gm.graph.inserting_after(anchor):
             copy = gm.graph.call_function(aten.copy_.default, (dest, value))
         copy.meta["hocompile.origin"] = "writeback"

@@ -16,11 +16,12 @@ from .fuse_newton_schulz import FuseNewtonSchulz
 from .runner import PassRecord, run_pipeline
 
 
-def default_pipeline(target: Target, precision: str = "auto") -> tuple[Pass, ...]:
+def default_pipeline(target: Target, precision: str = "auto", force_batch: bool = False) -> tuple[Pass, ...]:
+    """``force_batch``: the Triton backend launches per shape group, whatever the target."""
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
-        BatchByShape(target=target),
+        BatchByShape(target=target, force=force_batch),
         ChooseAlgorithm(target=target, precision=precision),
     )
 

@@ -56,7 +56,7 @@ class BatchByShape(Pass):
     name: ClassVar[str] = "batch-by-shape"
     target: Target = field(default_factory=lambda: Target("unset"))
     max_batch: int = 64
-    max_stack_bytes: int = 256 * 2**20
+    max_stack_bytes: int | None = None  # None: the target's stack_bytes
     force: bool = False
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
@@ -83,7 +83,8 @@ class BatchByShape(Pass):
                 continue
             (m, n), dtype = key[0], key[1]
             per_matrix = m * n * dtype.itemsize * 2  # stacked input + output
-            cap = max(1, min(self.max_batch, self.max_stack_bytes // per_matrix))
+            limit = self.max_stack_bytes if self.max_stack_bytes is not None else self.target.stack_bytes
+            cap = max(1, min(self.max_batch, limit // per_matrix))
             for start in range(0, len(members), cap):
                 chunk = members[start : start + cap]
                 if len(chunk) > 1:

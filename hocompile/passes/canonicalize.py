@@ -53,6 +53,7 @@ class Canonicalize(Pass):
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         returned = set(output.args[0])
+        self._transposes_as_permutes(gm)
         removed = self._fold_permutes(gm, returned)
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or not self._is_removable(node, returned):
@@ -81,6 +82,19 @@ class Canonicalize(Pass):
             "nothing to remove"
         )
         return PassResult(gm, changed, summary)
+
+    @staticmethod
+    def _transposes_as_permutes(gm: fx.GraphModule) -> None:
+        """``transpose(x, i, j)`` is the permute swapping i and j: one spelling, so pairs fold."""
+        for node in gm.graph.nodes:
+            if node.target is not aten.transpose.int or not isinstance(node.args[0], fx.Node):
+                continue
+            rank = node.args[0].meta["val"].dim()
+            i, j = (int(d) % rank for d in node.args[1:3])  # type: ignore[call-overload]
+            dims = list(range(rank))
+            dims[i], dims[j] = dims[j], dims[i]
+            node.target = aten.permute.default
+            node.args = (node.args[0], dims)
 
     @staticmethod
     def _fold_permutes(gm: fx.GraphModule, returned: set[fx.Node]) -> int:

@@ -182,9 +182,36 @@ class CompiledOptimizer(torch.optim.Optimizer):
             if self._pipeline_override is not None:
                 self._pipeline_cache = self._pipeline_override
             else:
-                target = resolve_target(self._settings.target, self._settings.cache_dir)
-                self._pipeline_cache = default_pipeline(target, self._settings.precision)
+                target = resolve_target(self._settings.target, self._settings.cache_dir, self._device())
+                triton = self.backend == "triton"
+                self._pipeline_cache = default_pipeline(target, self._settings.precision, force_batch=triton)
         return self._pipeline_cache
+
+    def _device(self) -> torch.device:
+        params = [p for g in self._inner.param_groups for p in g["params"]]
+        return params[0].device if params else torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        """ "triton" or "aten": the setting, with "auto" resolved by the params' device."""
+        if self._settings.backend != "auto":
+            return self._settings.backend
+        if self._device().type != "cuda":
+            return "aten"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            log.warning("hocompile: CUDA params but triton is not installed: lowering to aten")
+            return "aten"
+        return "triton"
+
+    def kernels(self) -> list[Any]:
+        """Every generated Triton kernel of the compiled steps (name, family, spec, origin, source)."""
+        seen: dict[str, Any] = {}
+        for entry in self.history:
+            for kernel in entry.lowered.kernels if entry.lowered is not None else []:
+                seen.setdefault(kernel.name, kernel)
+        return list(seen.values())
 
     # -- stepping ----------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -297,26 +324,59 @@ class CompiledOptimizer(torch.optim.Optimizer):
         gm, records = run_pipeline(gm, self.pipeline, self._settings.disabled_passes, dump_here)
         pass_seconds = time.perf_counter() - pass_start
         identity = ";".join(p.identity() for p in self.pipeline if p.name not in self._settings.disabled_passes)
-        key = cache_key(gm, identity)
+        key = cache_key(gm, f"{identity};backend={self.backend}")
         final = print_graph(gm)
         plans, final_stats = decisions(gm), graph_stats(gm)
         lower_start = time.perf_counter()
         header = self._header(key, records)
         index_of = {slot: i for i, slot in enumerate(captured.inputs)}
         copy_into = [index_of[a.slot] if a.mode == "copy" else None for a in captured.outputs]
-        lowered = lower_to_aten(gm, key, self._disk, header, copy_into)
+        if self.backend == "triton":
+            lowered = self._lower_triton(gm, key, header, copy_into)
+        else:
+            lowered = lower_to_aten(gm, key, self._disk, header, copy_into)
         lower_seconds = time.perf_counter() - lower_start
         self.counters.disk_hits += int(lowered.from_disk)
         if dump_here is not None:
             (dump_here / "lowered.py").write_text(lowered.source)
+            for kernel in lowered.kernels:
+                (dump_here / "kernels").mkdir(exist_ok=True)
+                (dump_here / "kernels" / f"{kernel.name}.py").write_text(kernel.source)
         if self._settings.debug >= 2:
             log.debug("hocompile final graph:\n%s", final)
         entry = CompiledEntry(
-            captured, lowered, records, final, time.perf_counter() - start, pass_seconds, lower_seconds, reason,
-            decisions=plans, final_stats=final_stats,
+            captured,
+            lowered,
+            records,
+            final,
+            time.perf_counter() - start,
+            pass_seconds,
+            lower_seconds,
+            reason,
+            decisions=plans,
+            final_stats=final_stats,
         )
         log.info("hocompile: compiled in %.2f s (cache key %s)", entry.compile_seconds, key[:16])
         return self._remember(sig, entry, expected)
+
+    def _lower_triton(self, gm: Any, key: str, header: str, copy_into: list[int | None]) -> LoweredStep:
+        from ..lowering.triton import lower_to_triton
+
+        settings = self._settings
+        module = lower_to_triton(gm, settings.cache_dir, header, copy_into, self._device(), settings.cuda_graphs)
+        return LoweredStep(
+            module.run,
+            module.path,
+            key,
+            module.from_disk,
+            module.source,
+            module.kept,
+            "triton",
+            module.kernels,
+            module.launches,
+            module.units,
+            settings.cuda_graphs and module.graph_safe,
+        )
 
     def _remember(self, sig: Signature, entry: CompiledEntry, expected: bool) -> CompiledEntry:
         if self.counters.compiles and not expected:

@@ -64,7 +64,14 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
     if entry.decisions:
         lines.append("  plans:")
         lines += [f"    {d}" for d in entry.decisions]
-    origin = "from disk cache" if entry.lowered.from_disk else "generated"
-    lines.append(f"  lowering: aten, {origin}: {entry.lowered.path}")
+    lowered = entry.lowered
+    origin = "from disk cache" if lowered.from_disk else "generated"
+    lines.append(f"  lowering: {lowered.backend}, {origin}: {lowered.path}")
+    if lowered.backend == "triton":
+        graph = "; replayed from a CUDA graph" if lowered.graphed else ""
+        lines.append(f"  launches per step: {lowered.launches}{graph}")
+        lines += [f"    {unit}" for unit in lowered.units]
+        lines.append(f"  kernels ({len(lowered.kernels)}; sources: opt.kernels()):")
+        lines += [f"    {k.name}  [{k.family}]  {k.origin}" for k in lowered.kernels]
     lines.append(f"  cache key: {entry.lowered.key[:16]}")
     return lines

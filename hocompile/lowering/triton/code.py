@@ -1,0 +1,93 @@
+"""Small helpers for writing generated Python/Triton source.
+
+Generators build source line by line with :class:`CodeWriter`; no template
+string holds logic (STYLE.md), so every branch of a generator is plain Python
+that reads top to bottom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+TL_DTYPE = {
+    torch.float32: "tl.float32",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float16: "tl.float16",
+    torch.float64: "tl.float64",
+}
+SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
+
+
+class CodeWriter:
+    """An indented line buffer (the idea of Inductor's IndentedBuffer)."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._depth = 0
+
+    def line(self, text: str = "") -> None:
+        self._lines.append(("    " * self._depth + text) if text else "")
+
+    def lines(self, texts: list[str]) -> None:
+        for text in texts:
+            self.line(text)
+
+    @contextmanager
+    def indent(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def extend(self, other: CodeWriter) -> None:
+        """Append ``other``'s lines, indented to this writer's current depth."""
+        self._lines += [("    " * self._depth + line) if line else "" for line in other._lines]
+
+    def count(self, needle: str) -> int:
+        return sum(line.count(needle) for line in self._lines)
+
+    def text(self) -> str:
+        return "\n".join(self._lines) + "\n"
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One generated kernel: its stable name, spec, origin, and source.
+
+    ``source`` defines ``@triton.jit def <name>`` and a host launcher
+    ``def launch_<name>(...)`` that computes the grid from the spec and the
+    tile config; the step wrapper only ever calls launchers.
+    """
+
+    name: str
+    family: str
+    spec: object
+    origin: str  # pass and graph nodes this kernel came from
+    source: str
+    tile: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def launcher(self) -> str:
+        return f"launch_{self.name}"
+
+
+def emit_round(w: CodeWriter, var: str, dtype: torch.dtype) -> None:
+    """Round the fp32 ``var`` to ``dtype`` in place, keeping it fp32."""
+    if dtype == torch.float32:
+        return
+    if dtype == torch.float16:
+        w.line(f"{var} = {var}.to(tl.float16).to(tl.float32)")
+        return
+    # Round-to-nearest-even on the bits: Triton's interpreter truncates when
+    # it casts fp32 to bf16, and this is exact on GPUs too, so one code path
+    # is tested on CPU and run on GPU. NaN is kept (the carry could make it inf).
+    # Its own name per variable: a scalar and a tile sharing one would clash as loop-carried values.
+    bits = f"{var}_bits"
+    w.line(f"{bits} = {var}.to(tl.uint32, bitcast=True)")
+    w.line(f"{bits} = ({bits} + 0x7FFF + (({bits} >> 16) & 1)) & 0xFFFF0000")
+    w.line(f"{var} = tl.where({var} != {var}, {var}, {bits}.to(tl.float32, bitcast=True))")

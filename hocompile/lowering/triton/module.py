@@ -1,0 +1,54 @@
+"""Assemble generated kernels (and a step wrapper) into one importable module."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+from ...runtime.cache import DiskCache, import_from_path
+from .code import KernelSource
+
+PRELUDE = [
+    "import os",
+    "",
+    "import torch",
+    "import triton",
+    "import triton.language as tl",
+]
+
+
+def assemble(kernels: list[KernelSource], body: str = "", header: str = "") -> str:
+    """Module text: header, imports, each kernel once (by name), then ``body``."""
+    parts = [header.rstrip("\n")] if header else []
+    parts.append("\n".join(PRELUDE))
+    seen: set[str] = set()
+    for kernel in kernels:
+        if kernel.name in seen:
+            continue
+        seen.add(kernel.name)
+        parts.append(kernel.source.rstrip("\n"))
+    if body:
+        parts.append(body.rstrip("\n"))
+    return "\n\n\n".join(parts) + "\n"
+
+
+def interpreting() -> bool:
+    """Kernels defined now run in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def load(text: str, cache_dir: Path) -> tuple[ModuleType, bool]:
+    """Write ``text`` to the cache (atomically) and import it from there; (module, found on disk).
+
+    Triton reads kernel source with ``inspect``, so kernels must come from a
+    real file; it also decides at definition time whether a kernel is
+    interpreted, so ``TRITON_INTERPRET`` must be set before this is called.
+    """
+    key = hashlib.sha256(text.encode()).hexdigest()
+    cache = DiskCache(Path(cache_dir))
+    cached = cache.read(key)
+    from_disk = cached == text
+    path = cache.path(key) if from_disk else cache.write(key, text)
+    return import_from_path(path, {}), from_disk

@@ -1,0 +1,230 @@
+"""The Triton backend end to end: generated wrapper + kernels vs the aten path.
+
+On this CPU-only machine the kernels run in Triton's interpreter (the
+lowering sets TRITON_INTERPRET=1 for CPU params before defining them), so
+models stay tiny. Launch counting needs no execution: it reads the wrapper
+generated for GPT-2-small's 48 matrices on an sm90 target.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import hocompile
+from hocompile.capture import capture
+from hocompile.lowering.triton.wrapper import generate_wrapper
+from hocompile.newton_schulz import reference_fp64
+from hocompile.passes import default_pipeline, run_pipeline
+from hocompile.settings import Settings
+from hocompile.targets import gpu_target
+
+from .helpers import UserMuon
+
+pytest.importorskip("triton")
+
+
+class TinyMLP(nn.Module):
+    """Two same-shaped hidden matrices, one transposed twin, one square: three NS shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 40)
+        self.up2 = nn.Linear(24, 40)
+        self.down = nn.Linear(40, 24)
+        self.mix = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x)) * torch.sigmoid(self.up2(x))
+        return self.mix(self.down(h))
+
+
+def _pair(precision: str, cache_dir, make=torch.optim.Muon, dump_dir=None, cuda_graphs=False, **kw):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = TinyMLP()
+    twin = TinyMLP()
+    twin.load_state_dict(model.state_dict())
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    twin_mats = [p for p in twin.parameters() if p.dim() == 2]
+    aten = hocompile.compile_optimizer(make(mats, **kw), backend="aten", precision=precision, cache_dir=cache_dir)
+    tri = hocompile.compile_optimizer(
+        make(twin_mats, **kw),
+        backend="triton",
+        precision=precision,
+        cache_dir=cache_dir,
+        dump_dir=dump_dir,
+        cuda_graphs=cuda_graphs,
+    )
+    return model, twin, aten, tri
+
+
+def _train(model, twin, aten, tri, steps: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(1)
+    worst = []
+    for _ in range(steps):
+        x = torch.randn(8, 24, generator=gen)
+        for m in (model, twin):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        aten.step()
+        tri.step()
+        worst.append(max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters())))
+    return worst
+
+
+def test_muon_step_through_triton_matches_aten_path(cache_dir) -> None:
+    # fp32 Newton–Schulz: the kernels differ from aten only in summation
+    # order. torch.optim.Muon returns the NS result in bf16, so the update
+    # can differ by one bf16 ulp of its largest entry: lr * scale * |O|max * 2^-8.
+    model, twin, aten, tri = _pair("fp32", cache_dir, lr=0.02, weight_decay=0.1)
+    worst = _train(model, twin, aten, tri, steps=2)
+    ulp = 0.02 * (40 / 24) ** 0.5 * 2**-8
+    assert max(worst) <= 2 * ulp, worst
+    assert tri.counters.recompiles == []
+    lowered = tri.history[-1].lowered
+    assert lowered is not None and lowered.backend == "triton"
+    assert {k.family for k in tri.kernels()} == {"pointwise", "gram", "sym_poly", "gemm"}
+
+
+def test_user_muon_bf16_through_triton_is_as_accurate_as_eager(cache_dir) -> None:
+    # In bf16, two summation orders give visibly different NS results (the
+    # iteration amplifies rounding), so the contract is accuracy, not
+    # equality: each matrix's orthogonalised update must be as close to the
+    # fp64 evaluation of the same polynomial as eager's own bf16 update is.
+    # UserMuon writes its NS input (the nesterov update) back into .grad,
+    # and has no weight decay, so both are recoverable after the step.
+    torch.manual_seed(0)
+    models = [TinyMLP() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    eager_model = TinyMLP()
+    eager_model.load_state_dict(models[0].state_dict())
+
+    def mats(model: nn.Module) -> list[torch.nn.Parameter]:
+        return [p for p in model.parameters() if p.dim() == 2]
+
+    before = [p.detach().clone() for p in mats(eager_model)]
+    eager = UserMuon(mats(eager_model), lr=0.02)
+    tri = hocompile.compile_optimizer(
+        UserMuon(mats(models[1]), lr=0.02), backend="triton", precision="bf16", cache_dir=cache_dir
+    )
+    x = torch.randn(64, 24, generator=torch.Generator().manual_seed(1))  # batch > width: full-rank grads
+    for model in (eager_model, models[1]):
+        model(x).square().mean().backward()
+    eager.step()
+    tri.step()
+    for p0, pe, pt in zip(before, mats(eager_model), mats(models[1])):
+        scale = 0.02 * max(1.0, p0.shape[0] / p0.shape[1]) ** 0.5
+        exact = reference_fp64(
+            pt.grad, [(3.4445, -4.7750, 2.0315)] * 5, 1e-7, eps_mode="add", transpose=p0.shape[0] > p0.shape[1]
+        )
+        error_eager = ((p0 - pe).double() / scale - exact).abs().max().item()
+        error_triton = ((p0 - pt).double() / scale - exact).abs().max().item()
+        assert error_triton <= 1.25 * error_eager + 1e-3, (tuple(p0.shape), error_triton, error_eager)
+
+
+def test_adamw_pointwise_through_triton_is_near_bitwise(cache_dir) -> None:
+    torch.manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(5, 7)),
+        torch.nn.Parameter(torch.randn(5, 7)),
+        torch.nn.Parameter(torch.randn(9)),
+    ]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    aten = hocompile.compile_optimizer(torch.optim.AdamW(params, lr=1e-2), backend="aten", cache_dir=cache_dir)
+    tri = hocompile.compile_optimizer(torch.optim.AdamW(twins, lr=1e-2), backend="triton", cache_dir=cache_dir)
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            q.grad = (g := torch.randn_like(p))
+            p.grad = g.clone()
+        aten.step()
+        tri.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    for p, q in zip(params, twins):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(tri.state[q][key], aten.state[p][key], rtol=1e-6, atol=1e-7)
+    # One launch serves both 5x7 params: horizontal fusion through the pointer table.
+    units = tri.history[-1].lowered.units  # type: ignore[union-attr]
+    assert any("2 member(s), 1 launch" in u for u in units), units
+
+
+def test_schedule_changes_scalars_without_recompiling(cache_dir) -> None:
+    model, twin, aten, tri = _pair("fp32", cache_dir, lr=0.02, weight_decay=0.1)
+    _train(model, twin, aten, tri, steps=1)
+    for opt in (aten, tri):
+        for group in opt.param_groups:
+            group["lr"] = 0.005
+            group["momentum"] = 0.9
+    worst = _train(model, twin, aten, tri, steps=1)
+    assert worst[-1] <= 2 * 0.02 * (40 / 24) ** 0.5 * 2**-8
+    assert tri.counters.recompiles == []
+
+
+def test_kernels_are_inspectable_and_dumped(cache_dir, tmp_path) -> None:
+    model, twin, aten, tri = _pair("fp32", cache_dir, lr=0.02, dump_dir=tmp_path / "dump")
+    _train(model, twin, aten, tri, steps=1)
+    kernels = tri.kernels()
+    for kernel in kernels:
+        ast.parse(kernel.source)
+        assert kernel.source.startswith(f"# kernel {kernel.name}: family {kernel.family}; from ")
+        assert f"def {kernel.name}(" in kernel.source and f"def launch_{kernel.name}(" in kernel.source
+    dumped = sorted(p.stem for p in (tmp_path / "dump").rglob("kernels/*.py"))
+    assert set(dumped) == {k.name for k in kernels}
+    report = hocompile.explain(tri)
+    assert "lowering: triton" in report and "launches per step:" in report
+    assert all(k.name in report for k in kernels)
+    source = tri.history[-1].lowered.source  # type: ignore[union-attr]
+    ast.parse(source)
+
+
+GPT2_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
+
+
+def _gpt2_wrapper(layers: int):  # type: ignore[no-untyped-def]
+    params = [torch.nn.Parameter(torch.empty(shape)) for _ in range(layers) for shape in GPT2_SHAPES]
+    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.empty_like(p)
+        opt.state[p]["momentum_buffer"] = torch.empty_like(p)
+    with torch.no_grad():
+        captured = capture(opt, Settings().structural_keys)
+    target = gpu_target("sm90")
+    gm, _ = run_pipeline(captured.gm, default_pipeline(target, "auto", force_batch=True), frozenset(), None)
+    placeholders = {s: i for i, s in enumerate(captured.inputs)}
+    copy_into = [placeholders[a.slot] if a.mode == "copy" else None for a in captured.outputs]
+    return generate_wrapper(gm, copy_into, "sm90", upcast="False")
+
+
+def test_launches_per_step_bounded_by_shape_groups_not_parameters() -> None:
+    iterations = 5  # torch.optim.Muon's default ns_steps
+    plan = _gpt2_wrapper(layers=12)
+    forward = plan.body
+    launches = len(re.findall(r"\blaunch_\w+\(", forward))
+    aten_calls = len(re.findall(r"torch\.ops\.aten\.", forward)) + forward.count(".copy_(")
+    assert launches + aten_calls == plan.launches
+    assert aten_calls == 0, forward  # everything is a generated kernel
+    shape_groups = len(GPT2_SHAPES)
+    assert plan.launches <= shape_groups * (3 * iterations + 2), plan.units
+    assert _gpt2_wrapper(layers=2).launches == plan.launches  # independent of the parameter count
+
+
+def test_static_buffer_replay_with_fresh_tables_matches(cache_dir) -> None:
+    # cuda_graphs=True: buffers are allocated once, addresses and scalars are
+    # refreshed into static device tables before each replay. On CPU the
+    # replay runs without a graph; the mechanics (new grad tensors every
+    # step, a changed lr) are the same.
+    model, twin, aten, tri = _pair("fp32", cache_dir, lr=0.02, weight_decay=0.1, cuda_graphs=True)
+    _train(model, twin, aten, tri, steps=2)  # step 1 creates state (not graph safe), step 2 is captured
+    lowered = tri.history[-1].lowered
+    assert lowered is not None and lowered.graphed
+    for opt in (aten, tri):
+        for group in opt.param_groups:
+            group["lr"] = 0.01
+    worst = _train(model, twin, aten, tri, steps=2)  # replays, with new grad tensors each step
+    assert lowered.run.replays == 2  # type: ignore[attr-defined]
+    assert max(worst) <= 2 * 0.02 * (40 / 24) ** 0.5 * 2**-8, worst
+    assert "replayed from a CUDA graph" in hocompile.explain(tri)
