@@ -35,6 +35,7 @@ def compile_optimizer(
     target: str | Target = "auto",
     backend: str = "auto",
     cuda_graphs: bool = False,
+    autotune: bool = False,
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -61,6 +62,9 @@ def compile_optimizer(
             once and replay it as a CUDA graph. Learning-rate schedules and
             new grad tensors stay valid: kernels read scalars and addresses
             from device tables refreshed before every replay.
+        autotune: with the Triton backend, time each matmul kernel's candidate
+            tiles once and keep the fastest (persisted per architecture in the
+            cache directory); off by default: the per-architecture table decides.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -79,6 +83,7 @@ def compile_optimizer(
         target=target,
         backend=backend,
         cuda_graphs=cuda_graphs,
+        autotune=autotune,
     )
     return CompiledOptimizer(optimizer, settings)
 

@@ -36,6 +36,7 @@ class Settings:
     target: str | Target = "auto"
     backend: str = "auto"
     cuda_graphs: bool = False
+    autotune: bool = False
 
     @staticmethod
     def resolve(
@@ -50,6 +51,7 @@ class Settings:
         target: str | Target = "auto",
         backend: str = "auto",
         cuda_graphs: bool = False,
+        autotune: bool = False,
     ) -> Settings:
         from .passes.choose_algorithm import PRECISIONS
 
@@ -78,6 +80,7 @@ class Settings:
             target=target,
             backend=backend,
             cuda_graphs=cuda_graphs,
+            autotune=autotune,
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)

@@ -228,3 +228,45 @@ def test_static_buffer_replay_with_fresh_tables_matches(cache_dir) -> None:
     assert lowered.run.replays == 2  # type: ignore[attr-defined]
     assert max(worst) <= 2 * 0.02 * (40 / 24) ** 0.5 * 2**-8, worst
     assert "replayed from a CUDA graph" in hocompile.explain(tri)
+
+
+def test_opt_in_autotune_persists_winners_and_reuses_them(cache_dir) -> None:
+    from hocompile.lowering.triton.autotune import autotune, load_winners
+
+    model, twin, aten, tri = _pair("fp32", cache_dir, lr=0.02)
+    _train(model, twin, aten, tri, steps=1)
+    matmuls = [k for k in tri.kernels() if k.family != "pointwise"]
+    timed: list[str] = []
+
+    def timer(launch) -> float:  # type: ignore[no-untyped-def]
+        # Interpreter timings mean nothing: make the 32-wide candidate win, after really launching it.
+        launch()
+        timed.append(launch.func.__name__)
+        return 1.0 if "BLOCK_M=16" in _launcher_source(launch) else 0.5
+
+    winners = autotune(matmuls, cache_dir, "interpret", torch.device("cpu"), timer=timer)
+    assert {name for name in winners} == {k.name for k in matmuls}
+    assert all(tile.BLOCK_M == 32 for tile in winners.values())
+    assert load_winners(cache_dir, "interpret") == winners  # persisted
+    assert len(timed) == 2 * len(matmuls)  # every candidate of every kernel
+
+    # A new optimizer compiled with autotune=True reads the winners: nothing is timed again.
+    torch.manual_seed(0)
+    fresh = TinyMLP()
+    opt = hocompile.compile_optimizer(
+        torch.optim.Muon([p for p in fresh.parameters() if p.dim() == 2], lr=0.02),
+        backend="triton",
+        precision="fp32",
+        cache_dir=cache_dir,
+        autotune=True,
+    )
+    fresh(torch.randn(8, 24)).square().mean().backward()
+    opt.step()
+    for kernel in (k for k in opt.kernels() if k.family != "pointwise"):
+        assert "BLOCK_M=32" in kernel.source, kernel.name
+
+
+def _launcher_source(launch) -> str:  # type: ignore[no-untyped-def]
+    import inspect
+
+    return inspect.getsource(launch.func)

@@ -363,7 +363,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
         from ..lowering.triton import lower_to_triton
 
         settings = self._settings
-        module = lower_to_triton(gm, settings.cache_dir, header, copy_into, self._device(), settings.cuda_graphs)
+        module = lower_to_triton(
+            gm, settings.cache_dir, header, copy_into, self._device(), settings.cuda_graphs, settings.autotune
+        )
         return LoweredStep(
             module.run,
             module.path,

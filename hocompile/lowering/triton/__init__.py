@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .code import KernelSource
 from .module import assemble, load
-from .tiles import MATMUL_TILES
+from .tiles import MATMUL_TILES, tile_overrides
 from .wrapper import generate_wrapper
 
 TRITON_LOWERING_VERSION = "triton-1"
@@ -88,11 +88,18 @@ def lower_to_triton(
     copy_into: list[int | None],
     device: torch.device,
     cuda_graphs: bool = False,
+    autotune: bool = False,
 ) -> TritonModule:
     arch = device_arch(device)
     if arch == "interpret":
         _enter_interpreter()
     plan = generate_wrapper(gm, copy_into, arch, upcast="_UPCAST")
+    if autotune:
+        from .autotune import autotune as tune
+
+        # Tile choices change only launch constants, never the plan: regenerate with the winners.
+        with tile_overrides(tune(plan.kernels, cache_dir, arch, device)):
+            plan = generate_wrapper(gm, copy_into, arch, upcast="_UPCAST")
     prelude = [
         f"# lowered for {arch}; {plan.launches} launches per step",
         *(f"#   {line}" for line in plan.units),

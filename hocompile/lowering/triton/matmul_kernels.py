@@ -245,7 +245,7 @@ def _lower_grid(spec_m: int, batch: int, tile: TileConfig) -> tuple[tuple[int, i
 
 
 def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
-    tile = matmul_tile(spec.arch, spec.dtype)
+    tile = matmul_tile(spec.arch, spec.dtype, spec.name)
     name, dtype = spec.name, spec.dtype
     w = CodeWriter()
     _header(w, name, spec.family, spec, origin, tile)
@@ -325,7 +325,7 @@ def _gram_normalize_tile(w: CodeWriter, side: str, dtype: torch.dtype) -> None:
 
 
 def generate_sym_poly(spec: SymPolySpec, origin: str) -> KernelSource:
-    tile = matmul_tile(spec.arch, spec.dtype)
+    tile = matmul_tile(spec.arch, spec.dtype, spec.name)
     name, dtype = spec.name, spec.dtype
     w = CodeWriter()
     _header(w, name, spec.family, spec, origin, tile)
@@ -363,7 +363,7 @@ def generate_sym_poly(spec: SymPolySpec, origin: str) -> KernelSource:
 
 
 def generate_gemm(spec: GemmSpec, origin: str) -> KernelSource:
-    tile = matmul_tile(spec.arch, spec.dtype)
+    tile = matmul_tile(spec.arch, spec.dtype, spec.name)
     name, dtype, stored = spec.name, spec.dtype, spec.stored_dtype
     w = CodeWriter()
     _header(w, name, spec.family, spec, origin, tile)

@@ -12,6 +12,9 @@ the cache directory (see autotune.py); the table stays the default.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,7 +71,24 @@ FP32_MATMUL_TILES: dict[str, TileConfig] = {
 }
 
 
-def matmul_tile(arch: str, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+# Winners of an opt-in autotune (autotune.py), by kernel name, while a step
+# is generated; empty otherwise, so the table above decides.
+_OVERRIDES: ContextVar[dict[str, TileConfig] | None] = ContextVar("hocompile_tile_overrides", default=None)
+
+
+@contextmanager
+def tile_overrides(overrides: dict[str, TileConfig]) -> Iterator[None]:
+    token = _OVERRIDES.set(overrides)
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def matmul_tile(arch: str, dtype: torch.dtype = torch.bfloat16, kernel: str = "") -> TileConfig:
+    override = (_OVERRIDES.get() or {}).get(kernel)
+    if override is not None:
+        return override
     table = FP32_MATMUL_TILES if dtype == torch.float32 else MATMUL_TILES
     if arch not in table:
         raise ValueError(f"no tile config for architecture {arch!r}; known: {sorted(table)}")
@@ -81,18 +101,19 @@ def pointwise_tile(arch: str) -> PointwiseTile:
     return POINTWISE_TILES[arch]
 
 
-def candidates(arch: str) -> list[TileConfig]:
+def candidates(arch: str, dtype: torch.dtype = torch.bfloat16) -> list[TileConfig]:
     """Matmul configs an opt-in autotune tries (the table's entry first)."""
-    base = matmul_tile(arch)
+    base = matmul_tile(arch, dtype)
     if arch == "interpret":
         return [base, TileConfig(32, 32, 16, num_warps=1, num_stages=1)]
+    # fp32 tiles keep BLOCK_K=32 and <= 3 stages (shared memory, see above).
+    shapes = (
+        [(64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 3)]
+        if dtype == torch.float32
+        else [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 32, 4, 4)]
+    )
     out = [base]
-    for bm, bn, bk, warps, stages in [
-        (64, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-        (128, 256, 64, 8, 3),
-        (64, 64, 32, 4, 4),
-    ]:
+    for bm, bn, bk, warps, stages in shapes:
         config = TileConfig(bm, bn, bk, warps, stages)
         if config != base:
             out.append(config)
