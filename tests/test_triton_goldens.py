@@ -219,3 +219,64 @@ def launch_ns_gemm_bf16_b1_16x32x16_acc(L, R, out, alpha, *, upcast, C=None, bet
     )
 """,
         )
+
+
+class TestPointwiseKernelGolden(TestCase):
+    def test_muon_momentum_nesterov_feed(self) -> None:
+        # The region before Newton–Schulz in torch.optim.Muon's steady-state
+        # step on one 4x6 matrix: momentum lerp, nesterov lerp, the cast and
+        # stacked store into the NS workspace, the norm partials.
+        from hocompile.capture import capture
+        from hocompile.lowering.triton.pointwise import generate_pointwise, region_spec
+        from hocompile.lowering.triton.regions import find_ns_groups, find_regions
+        from hocompile.passes import default_pipeline, run_pipeline
+        from hocompile.settings import Settings
+        from hocompile.targets import gpu_target
+
+        param = torch.nn.Parameter(torch.zeros(4, 6))
+        opt = torch.optim.Muon([param], lr=0.02)
+        param.grad = torch.zeros_like(param)
+        opt.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        with torch.no_grad():
+            captured = capture(opt, Settings().structural_keys)
+        gm, _ = run_pipeline(captured.gm, default_pipeline(gpu_target("sm90"), force_batch=True), frozenset(), None)
+        groups, refs = find_ns_groups(gm)
+        region = next(r for r in find_regions(gm, groups) if r.feed is not None)
+        spec = region_spec(region, {n: r.transposed for n, r in refs.items()}, torch.bfloat16, "interpret")
+        self.assertExpectedInline(generate_pointwise(spec, "capture nodes lerp, lerp_1").source, """\
+# kernel pw_lerp_lerp_ns_4x6_3ef256: family pointwise; from capture nodes lerp, lerp_1
+# shape [4, 6]; row = 2 inputs, 2 outputs, NS workspace + norm partials, 2 scalar indices
+# tile BLOCK=64 num_warps=1
+@triton.jit
+def pw_lerp_lerp_ns_4x6_3ef256(ptrs, base, scal, N, C, R, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    member = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    row = ptrs + base + member * WIDTH
+    x0_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
+    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x1_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    x1 = tl.load(x1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s0 = tl.load(scal + tl.load(row + 6))
+    s1 = tl.load(scal + tl.load(row + 7))
+    v0 = tl.where(tl.abs(s0) < 0.5, x0 + s0 * (x1 - x0), x1 - (x1 - x0) * (1.0 - s0))  # aten.lerp.Scalar
+    v1 = tl.where(tl.abs(s1) < 0.5, x1 + s1 * (v0 - x1), v0 - (v0 - x1) * (1.0 - s1))  # aten.lerp.Scalar
+    o0_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    tl.store(o0_ptr + offs, v0.to(tl.float32), mask=mask)
+    o1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    tl.store(o1_ptr + offs, v1.to(tl.float32), mask=mask)
+    # Newton-Schulz input: rounded to bf16 (the NS cast), stacked, norm partials
+    f = v1
+    f_bits = f.to(tl.uint32, bitcast=True)
+    f_bits = (f_bits + 0x7FFF + ((f_bits >> 16) & 1)) & 0xFFFF0000
+    f = tl.where(f != f, f, f_bits.to(tl.float32, bitcast=True))
+    f_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
+    tl.store(f_ptr + offs, f.to(tl.bfloat16), mask=mask)
+    part_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    tl.store(part_ptr + tl.program_id(0), tl.sum(tl.where(mask, f * f, 0.0), axis=0))
+
+
+def launch_pw_lerp_lerp_ns_4x6_3ef256(ptrs, base, scal, members):
+    grid = (triton.cdiv(24, 64), members)
+    pw_lerp_lerp_ns_4x6_3ef256[grid](ptrs, base, scal, 24, 6, 4, WIDTH=8, BLOCK=64, num_warps=1)
+""")

@@ -270,3 +270,72 @@ def _launcher_source(launch) -> str:  # type: ignore[no-untyped-def]
     import inspect
 
     return inspect.getsource(launch.func)
+
+
+def _muon_pointwise_kernels(arch: str):  # type: ignore[no-untyped-def]
+    """The pointwise kernels of a steady-state torch.optim.Muon step on a 40x24 and a 24x40 matrix."""
+    from hocompile.lowering.triton.pointwise import generate_pointwise, region_spec
+    from hocompile.lowering.triton.regions import find_ns_groups, find_regions
+
+    params = [torch.nn.Parameter(torch.zeros(40, 24)), torch.nn.Parameter(torch.zeros(24, 40))]
+    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    with torch.no_grad():
+        captured = capture(opt, Settings().structural_keys)
+    gm, _ = run_pipeline(captured.gm, default_pipeline(gpu_target("sm90"), force_batch=True), frozenset(), None)
+    groups, refs = find_ns_groups(gm)
+    layout = {n: r.transposed for n, r in refs.items()}
+    return [
+        generate_pointwise(region_spec(r, layout, torch.bfloat16 if r.feed else None, arch), "test")
+        for r in find_regions(gm, groups)
+    ]
+
+
+def native_pointwise_report() -> None:
+    """Run by the test below in a fresh interpreter (kernels defined for compilation, not interpretation)."""
+    import json
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+    from triton.compiler import ASTSource, compile  # type: ignore[import-untyped]
+
+    from hocompile.lowering.triton.module import assemble, load
+
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for kernel in _muon_pointwise_kernels("sm90"):
+            module, _ = load(assemble([kernel]), cache_dir)
+            fn = getattr(module, kernel.name)
+            spec = kernel.spec
+            signature = {"ptrs": "*i64", "base": "i32", "scal": "*fp32", "N": "i32", "C": "i32", "R": "i32"}
+            constexprs = {"WIDTH": spec.row_width, "BLOCK": kernel.tile["BLOCK"]}
+            signature |= {name: "constexpr" for name in constexprs}
+            compiled = compile(
+                ASTSource(fn, signature, constexprs),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": kernel.tile["num_warps"]},
+            )
+            print(json.dumps({"name": kernel.name, "ptx_bytes": len(compiled.asm["ptx"])}))
+
+
+def test_pointwise_kernels_compile_for_hopper() -> None:
+    """The interpreter accepts code the compiler rejects: compile the pointer-table kernels for sm90."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    run = subprocess.run(
+        [sys.executable, "-c", "from tests.test_triton_step import native_pointwise_report as r; r()"],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(report) == 4 and all(r["ptx_bytes"] > 0 for r in report), report  # 2 shapes x (before, after NS)
