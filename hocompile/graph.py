@@ -148,7 +148,8 @@ def _format_arg(arg: Any, names: dict[fx.Node, str]) -> str:
 
 def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> list[str]:
     """(a, b, c) per iteration grouped into runs: ``(3.4445, -4.775, 2.0315)x5``."""
-    x, a, b, c, eps, eps_mode, transpose, compute, out, algorithm, restarts, matmul = args
+    x, a, b, c, eps, eps_mode, transpose, compute, out, algorithm, restarts, matmul, *rest = args
+    blocks = int(rest[0]) if rest else 0
     runs: list[list[Any]] = []
     for triple in zip(a, b, c):
         if runs and runs[-1][0] == triple:
@@ -159,6 +160,7 @@ def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> l
         f"({', '.join(repr(float(v)) for v in t)})" + (f"x{n}" if n > 1 else "") for t, n in runs
     )
     where = f"{algorithm}" + (f" restart {list(restarts)}" if restarts else "")
+    where += f" sym{blocks}x{blocks}" if blocks > 1 else ""
     return [
         _format_arg(x, names),
         f"[{coeffs}]",

@@ -47,19 +47,21 @@ def newton_schulz(
     algorithm: str,
     restarts: list[int],
     matmul: str,
+    blocks: int = 0,
 ) -> torch.Tensor:
     """Orthogonalise x ([m, n] or [B, m, n]) with per-iteration (a, b, c).
 
     See :mod:`hocompile.newton_schulz` for the maths and rounding model.
     ``transpose`` works on xᵀ (tall matrices become wide) and transposes the
-    result back; the output has x's shape and ``out_dtype``.
+    result back; the output has x's shape and ``out_dtype``. ``blocks`` > 1
+    computes symmetric products on lower-triangle blocks only.
     """
     from . import newton_schulz as ns
 
     coefficients = list(zip(a, b, c))
     kwargs = dict(
         eps_mode=eps_mode, transpose=transpose, compute_dtype=compute_dtype, out_dtype=out_dtype,
-        algorithm=algorithm, restarts=restarts, matmul=matmul,
+        algorithm=algorithm, restarts=restarts, matmul=matmul, blocks=blocks,
     )
     # A batched x runs as bmm/baddbmm: batch-by-shape only stacks where the
     # target measured one bmm faster than a loop of mm.
@@ -80,6 +82,7 @@ def _newton_schulz_fake(
     algorithm: str,
     restarts: list[int],
     matmul: str,
+    blocks: int = 0,
 ) -> torch.Tensor:
     if not (len(a) == len(b) == len(c)) or not a:
         raise ValueError("newton_schulz needs one (a, b, c) per iteration")

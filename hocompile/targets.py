@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_CALIBRATION_VERSION = 3
+_CALIBRATION_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class Target:
     # Largest stack batch-by-shape builds (stacked input + output of a group
     # are alive at once): bounds the step's peak memory.
     stack_bytes: int = 256 * 2**20
+    # Measured speed-up of X Xᵀ on 4x4 lower-triangle blocks over one dense
+    # product (aten lowering); GPUs' Triton kernels use symmetric tiles anyway.
+    symmetric_speedup: float = 1.0
 
     def throughput(self, dtype: torch.dtype) -> float:
         key = next((k for k, v in _DTYPES.items() if v == dtype), "fp32")
@@ -81,16 +84,38 @@ def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 5) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def _measure_symmetric(m: int = 768, n: int = 2048, repeats: int = 5) -> float:
+    """Dense ``X Xᵀ`` time over 4x4-blocked lower-triangle time, fp32 (the aten lowering's two options).
+
+    Interleaved, best of ``repeats`` each: a busy neighbour slows both alike.
+    """
+    from .newton_schulz import _Arith
+
+    x = torch.randn(m, n)
+    blocked = _Arith(torch.float32, "native", torch.float32, blocks=4)
+    dense_best = blocked_best = float("inf")
+    for _ in range(repeats + 1):  # the first round warms up
+        start = time.perf_counter()
+        x @ x.mT
+        middle = time.perf_counter()
+        blocked.sym(x, x.mT)
+        end = time.perf_counter()
+        dense_best, blocked_best = min(dense_best, middle - start), min(blocked_best, end - middle)
+    return dense_best / blocked_best
+
+
 def cpu_target(cache_dir: Path | None) -> Target:
     """This CPU, calibrated (cached per CPU model, torch version and threads)."""
     path = cache_dir / f"target-cpu-{_cpu_id()}.json" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             data = json.loads(path.read_text())
-            return Target("cpu", {k: float(v) for k, v in data["gflops"].items()}, bool(data["prefers_batched"]))
+            gflops = {k: float(v) for k, v in data["gflops"].items()}
+            return Target("cpu", gflops, bool(data["prefers_batched"]), symmetric_speedup=float(data["symmetric"]))
         except (OSError, ValueError, KeyError):
             pass  # recalibrate below
     gflops = {name: _measure(dtype) for name, dtype in _DTYPES.items()}
+    symmetric = _measure_symmetric()
     # A CPU never prefers stacks: measured here, a GPT-2 layer's step took
     # 0.73 s batched vs 0.76 s unbatched (noise), while stacking 24 layers of
     # d=1024 matrices raised the step's peak memory from ~130 MB to 708 MB.
@@ -98,9 +123,9 @@ def cpu_target(cache_dir: Path | None) -> Target:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"gflops": gflops, "prefers_batched": batched}))
+        tmp.write_text(json.dumps({"gflops": gflops, "prefers_batched": batched, "symmetric": symmetric}))
         os.replace(tmp, path)
-    return Target("cpu", gflops, batched)
+    return Target("cpu", gflops, batched, symmetric_speedup=symmetric)
 
 
 # Dense GEMM throughput from the vendors' data sheets, GFLOP/s (SXM parts;

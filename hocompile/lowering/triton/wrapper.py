@@ -307,7 +307,8 @@ class _Emitter:
     def _emit_ns(self, w: CodeWriter, group: NSGroup) -> str:
         node = group.node
         args: Any = node.args
-        _, a, b, c, eps, eps_mode, _, compute, out_dtype, algorithm, restarts, _ = args
+        # (blocks, args[12], is an aten option: the kernels compute symmetric products on lower tiles anyway)
+        _, a, b, c, eps, eps_mode, _, compute, out_dtype, algorithm, restarts, _ = args[:12]
         eps_expr = f"scal[{self.scalar_index[eps]}]"  # a 0-d view: read on the device, never baked in
         g = group.index
         ns_lines = CodeWriter()
