@@ -16,6 +16,7 @@ from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
 from .runtime.cache import CacheWarning
 from .runtime.explain import explain
+from .runtime.plan import plan
 from .settings import Settings
 from .targets import Target
 
@@ -36,6 +37,8 @@ def compile_optimizer(
     backend: str = "auto",
     cuda_graphs: bool = False,
     autotune: bool = False,
+    error_budget: float | None = None,
+    schedule: tuple[str, ...] | list[str] | str = (),
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -65,6 +68,11 @@ def compile_optimizer(
         autotune: with the Triton backend, time each matmul kernel's candidate
             tiles once and keep the fastest (persisted per architecture in the
             cache directory); off by default: the per-architecture table decides.
+        error_budget: with ``precision="auto"``, the largest max-abs error
+            against fp64 a Newton–Schulz schedule may have on the calibration
+            inputs (default: per input, no worse than eager's own precision).
+        schedule: an explicit per-iteration schedule for every Newton–Schulz
+            op, e.g. ``"fp8_e4m3*2+bf16*3"`` or a list of format names.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -84,6 +92,8 @@ def compile_optimizer(
         backend=backend,
         cuda_graphs=cuda_graphs,
         autotune=autotune,
+        error_budget=error_budget,
+        schedule=schedule,
     )
     return CompiledOptimizer(optimizer, settings)
 
@@ -97,4 +107,5 @@ __all__ = [
     "UnsupportedParameterError",
     "compile_optimizer",
     "explain",
+    "plan",
 ]

@@ -150,6 +150,7 @@ def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> l
     """(a, b, c) per iteration grouped into runs: ``(3.4445, -4.775, 2.0315)x5``."""
     x, a, b, c, eps, eps_mode, transpose, compute, out, algorithm, restarts, matmul, *rest = args
     blocks = int(rest[0]) if rest else 0
+    schedule = str(rest[1]) if len(rest) > 1 else ""
     runs: list[list[Any]] = []
     for triple in zip(a, b, c):
         if runs and runs[-1][0] == triple:
@@ -161,6 +162,7 @@ def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> l
     )
     where = f"{algorithm}" + (f" restart {list(restarts)}" if restarts else "")
     where += f" sym{blocks}x{blocks}" if blocks > 1 else ""
+    where += f" schedule {schedule}" if schedule else ""
     return [
         _format_arg(x, names),
         f"[{coeffs}]",

@@ -48,17 +48,30 @@ def newton_schulz(
     restarts: list[int],
     matmul: str,
     blocks: int = 0,
+    schedule: str = "",
 ) -> torch.Tensor:
     """Orthogonalise x ([m, n] or [B, m, n]) with per-iteration (a, b, c).
 
     See :mod:`hocompile.newton_schulz` for the maths and rounding model.
     ``transpose`` works on xᵀ (tall matrices become wide) and transposes the
     result back; the output has x's shape and ``out_dtype``. ``blocks`` > 1
-    computes symmetric products on lower-triangle blocks only.
+    computes symmetric products on lower-triangle blocks only. ``schedule``
+    (operand formats per iteration in runs, e.g. ``"fp8_e4m3*2+bf16*3"``)
+    replaces ``compute_dtype`` with a per-iteration plan.
     """
     from . import newton_schulz as ns
 
     coefficients = list(zip(a, b, c))
+    if schedule:
+        # A per-iteration precision schedule (choose-precision): each GEMM
+        # emulated exactly as the planned tensor-core format computes it.
+        from .precision.calibrate import parse_schedule_key
+        from .precision.schedule_ns import newton_schulz_scheduled
+
+        return newton_schulz_scheduled(
+            x, coefficients, eps, parse_schedule_key(schedule), eps_mode=eps_mode, transpose=transpose,
+            algorithm=algorithm, restarts=tuple(restarts), out_dtype=out_dtype,
+        )
     kwargs = dict(
         eps_mode=eps_mode, transpose=transpose, compute_dtype=compute_dtype, out_dtype=out_dtype,
         algorithm=algorithm, restarts=restarts, matmul=matmul, blocks=blocks,
@@ -83,6 +96,7 @@ def _newton_schulz_fake(
     restarts: list[int],
     matmul: str,
     blocks: int = 0,
+    schedule: str = "",
 ) -> torch.Tensor:
     if not (len(a) == len(b) == len(c)) or not a:
         raise ValueError("newton_schulz needs one (a, b, c) per iteration")

@@ -37,6 +37,8 @@ class Settings:
     backend: str = "auto"
     cuda_graphs: bool = False
     autotune: bool = False
+    error_budget: float | None = None
+    schedule: tuple[str, ...] = ()
 
     @staticmethod
     def resolve(
@@ -52,11 +54,15 @@ class Settings:
         backend: str = "auto",
         cuda_graphs: bool = False,
         autotune: bool = False,
+        error_budget: float | None = None,
+        schedule: tuple[str, ...] | list[str] | str = (),
     ) -> Settings:
         from .passes.choose_algorithm import PRECISIONS
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if error_budget is not None and not error_budget > 0:
+            raise ValueError(f"error_budget must be a positive max-abs error, got {error_budget!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if fallback not in FALLBACKS:
@@ -81,7 +87,21 @@ class Settings:
             backend=backend,
             cuda_graphs=cuda_graphs,
             autotune=autotune,
+            error_budget=error_budget,
+            schedule=_schedule(schedule),
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)
         return settings
+
+
+def _schedule(schedule: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
+    """One format per iteration; ``"fp8_e4m3*2+bf16*3"`` is accepted too."""
+    from .precision.calibrate import parse_schedule_key
+    from .precision.emulate import FORMATS
+
+    formats = parse_schedule_key(schedule) if isinstance(schedule, str) and schedule else tuple(schedule)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"schedule: unknown format(s) {unknown}; known: {sorted(FORMATS)}")
+    return formats

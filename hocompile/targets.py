@@ -44,18 +44,35 @@ class Target:
     # Measured speed-up of X Xᵀ on 4x4 lower-triangle blocks over one dense
     # product (aten lowering); GPUs' Triton kernels use symmetric tiles anyway.
     symmetric_speedup: float = 1.0
+    # GEMM operand formats a Newton–Schulz schedule may use here (names of
+    # hocompile.precision.emulate.FORMATS); empty: the dtypes in ``gflops``.
+    formats: tuple[str, ...] = ()
 
     def throughput(self, dtype: torch.dtype) -> float:
         key = next((k for k, v in _DTYPES.items() if v == dtype), "fp32")
         return self.gflops.get(key, self.gflops.get("fp32", 1.0))
+
+    def rate(self, fmt: str) -> float:
+        """GEMM GFLOP/s for an operand format name ("fp8_e4m3" uses the "fp8" rate, "mxfp8_*" "mxfp8")."""
+        key = fmt.split("_")[0] if fmt.startswith(("fp8", "mxfp8")) else fmt
+        return self.gflops.get(key, self.gflops.get("fp32", 1.0))
+
+    def schedule_formats(self) -> tuple[str, ...]:
+        """Formats a schedule may use: the declared ones, else the fast dtypes measured here."""
+        if self.formats:
+            return self.formats
+        return tuple(k for k in ("fp32", "bf16", "fp16") if k == "fp32" or self.fast(_DTYPES[k]))
 
     def fast(self, dtype: torch.dtype) -> bool:
         """Does a GEMM in ``dtype`` beat the fp32 GEMM here?"""
         return self.throughput(dtype) >= self.throughput(torch.float32)
 
     def describe(self) -> str:
-        rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gflops.items()))
         batched = "bmm" if self.prefers_batched else "loop of mm"
+        if self.gflops and min(self.gflops.values()) >= 1000:
+            rates = ", ".join(f"{k} {v / 1000:g}" for k, v in sorted(self.gflops.items()))
+            return f"{self.name} (GEMM TFLOP/s: {rates}; stacks run as {batched})"
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gflops.items()))
         return f"{self.name} (GEMM GFLOP/s: {rates}; stacks run as {batched})"
 
 
@@ -133,11 +150,40 @@ def cpu_target(cache_dir: Path | None) -> Target:
 # choose-algorithm cost model only needs their ratios.
 GPU_GFLOPS: dict[str, dict[str, float]] = {
     "sm80": {"fp32": 19_500, "tf32": 156_000, "bf16": 312_000, "fp16": 312_000},
-    "sm89": {"fp32": 91_600, "tf32": 183_000, "bf16": 362_000, "fp16": 362_000},
-    "sm90": {"fp32": 67_000, "tf32": 495_000, "bf16": 989_000, "fp16": 989_000},
-    "sm100": {"fp32": 80_000, "tf32": 1_100_000, "bf16": 2_250_000, "fp16": 2_250_000},
-    "sm103": {"fp32": 75_000, "tf32": 1_100_000, "bf16": 2_250_000, "fp16": 2_250_000},
+    "sm89": {"fp32": 91_600, "tf32": 183_000, "bf16": 362_000, "fp16": 362_000, "fp8": 733_000},
+    "sm90": {"fp32": 67_000, "tf32": 495_000, "bf16": 989_000, "fp16": 989_000, "fp8": 1_979_000},
+    "sm100": {
+        "fp32": 80_000,
+        "tf32": 1_100_000,
+        "bf16": 2_250_000,
+        "fp16": 2_250_000,
+        "fp8": 4_500_000,
+        "mxfp8": 4_500_000,
+    },
+    "sm103": {
+        "fp32": 75_000,
+        "tf32": 1_100_000,
+        "bf16": 2_250_000,
+        "fp16": 2_250_000,
+        "fp8": 4_500_000,
+        "mxfp8": 4_500_000,
+    },
 }
+# Tensor-core operand formats per generation: Ampere adds tf32/bf16/fp16 to
+# fp32; Ada and Hopper add FP8 with per-tensor scales; Blackwell adds MXFP8
+# (32-element blocks with power-of-two scales).
+_AMPERE = ("fp32", "tf32", "bf16", "fp16")
+_FP8 = ("fp8_e4m3", "fp8_e5m2")
+_MXFP8 = ("mxfp8_e4m3", "mxfp8_e5m2")
+GPU_FORMATS: dict[str, tuple[str, ...]] = {
+    "sm80": _AMPERE,
+    "sm89": _AMPERE + _FP8,
+    "sm90": _AMPERE + _FP8,
+    "sm100": _AMPERE + _FP8 + _MXFP8,
+    "sm103": _AMPERE + _FP8 + _MXFP8,
+}
+# Nominal CPUs, to plan for one on any machine (target="cpu" measures this one).
+CPU_DESCRIPTORS: dict[str, Target] = {}
 
 
 def gpu_target(arch: str) -> Target:
@@ -146,7 +192,17 @@ def gpu_target(arch: str) -> Target:
         raise ValueError(f"unknown GPU architecture {arch!r}; known: {sorted(GPU_GFLOPS)}")
     # Tens of GiB of device memory: a whole model's group fits one stack
     # (GPT-2's 24 768x3072 matrices: 0.45 GB), which keeps launches per group.
-    return Target(arch, dict(GPU_GFLOPS[arch]), prefers_batched=True, stack_bytes=4 * 2**30)
+    return Target(arch, dict(GPU_GFLOPS[arch]), prefers_batched=True, stack_bytes=4 * 2**30, formats=GPU_FORMATS[arch])
+
+
+CPU_DESCRIPTORS.update(
+    {
+        # This project's 2-core AVX2 machines, as measured (no bf16 GEMM in hardware).
+        "cpu-avx2": Target("cpu-avx2", {"fp32": 85.0, "bf16": 1.3, "fp16": 1.4}, symmetric_speedup=1.25),
+        # A Sapphire Rapids-class CPU with AMX-BF16: bf16 GEMMs several times fp32 (nominal figures).
+        "cpu-amx": Target("cpu-amx", {"fp32": 2_000.0, "bf16": 8_000.0, "fp16": 2.0}, symmetric_speedup=1.25),
+    }
+)
 
 
 def resolve_target(spec: str | Target | None, cache_dir: Path | None, device: torch.device | None = None) -> Target:
@@ -160,4 +216,7 @@ def resolve_target(spec: str | Target | None, cache_dir: Path | None, device: to
         return cpu_target(cache_dir)
     if isinstance(spec, str) and spec in GPU_GFLOPS:
         return gpu_target(spec)
-    raise ValueError(f"unknown target {spec!r}: use 'auto', 'cpu', one of {sorted(GPU_GFLOPS)} or a Target")
+    if isinstance(spec, str) and spec in CPU_DESCRIPTORS:
+        return CPU_DESCRIPTORS[spec]
+    known = ["auto", "cpu", *CPU_DESCRIPTORS, *GPU_GFLOPS]
+    raise ValueError(f"unknown target {spec!r}: use one of {known} or a hocompile.Target")

@@ -199,9 +199,10 @@ def _plan_kwargs(m: int, n: int, batch: int, coefficients: Any, precision: str, 
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     kind=st.sampled_from(sorted(COEFFICIENT_SETS)),
     plan=st.sampled_from(["auto-avx2", "auto-bf16-fast", "bf16-emulated"]),
+    blocks=st.sampled_from([0, 2, 4]),
     seed=st.integers(0, 2**16),
 )
-def test_op_error_vs_fp64_within_eager_budget(m, n, batch, dtype, kind, plan, seed) -> None:
+def test_op_error_vs_fp64_within_eager_budget(m, n, batch, dtype, kind, plan, blocks, seed) -> None:
     coefficients = COEFFICIENT_SETS[kind]
     shape = (m, n) if batch == 0 else (batch, m, n)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -211,6 +212,7 @@ def test_op_error_vs_fp64_within_eager_budget(m, n, batch, dtype, kind, plan, se
         "auto-avx2": ("auto", AVX2_LIKE), "auto-bf16-fast": ("auto", BF16_FAST), "bf16-emulated": ("bf16", AVX2_LIKE),
     }[plan]
     kwargs = _plan_kwargs(m, n, max(batch, 1), coefficients, precision, target)
+    kwargs["blocks"] = blocks  # symmetric products on blocks: same roundings, other summation order
     out = newton_schulz(x, coefficients, 1e-7, transpose=m > n, out_dtype=torch.bfloat16, **kwargs)
     assert _rel(out, ref) <= max(1.25 * eager_err, FLOOR), (kwargs, eager_err)
 
@@ -230,6 +232,17 @@ def test_flops_match_design_formulas() -> None:
     for alpha in (1, 3, 4):
         assert flops(m, alpha * m, KJ, "standard") == (20 * alpha + 10) * m**3
         assert flops(m, alpha * m, KJ, "gram", [2]) == (8 * alpha + 28) * m**3
+        # Symmetric products on 4x4 blocks: 10 of 16 blocks of X Xᵀ and A².
+        symmetric = (2 * alpha + 2) * m**3 * 10 // 16
+        assert flops(m, alpha * m, KJ, "standard", blocks=4) == 5 * (2 * alpha * m**3 + symmetric)
+
+
+def test_symmetric_blocks_chosen_only_where_measured_faster_and_large_enough() -> None:
+    sym_fast = Target("cpu", AVX2_LIKE.gflops, symmetric_speedup=1.3)
+    assert decide(768, 3072, 1, KJ, torch.bfloat16, "auto", sym_fast).blocks == 4
+    assert "symmetric products on 4x4 blocks" in decide(768, 3072, 1, KJ, torch.bfloat16, "auto", sym_fast).describe()
+    assert decide(128, 512, 1, KJ, torch.bfloat16, "auto", sym_fast).blocks == 0  # blocks under 64 rows
+    assert decide(768, 3072, 1, KJ, torch.bfloat16, "auto", AVX2_LIKE).blocks == 0  # not measured faster
 
 
 def test_choose_algorithm_decisions() -> None:

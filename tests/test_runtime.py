@@ -30,6 +30,7 @@ def test_dump_dir_has_graph_before_and_after_each_pass(tmp_path, monkeypatch, ca
         "02-fuse-newton-schulz.after.txt", "02-fuse-newton-schulz.before.txt",
         "03-batch-by-shape.after.txt", "03-batch-by-shape.before.txt",
         "04-choose-algorithm.after.txt", "04-choose-algorithm.before.txt",
+        "05-choose-precision.after.txt", "05-choose-precision.before.txt",
         "lowered.py",
     ]
     before = (first / "01-canonicalize.before.txt").read_text()

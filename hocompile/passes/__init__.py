@@ -2,7 +2,7 @@
 
 ``default_pipeline(target, precision)`` is the explicit tuple the runtime
 runs; see README.md for the invariants every pass keeps. Still to come:
-choose-precision (per-iteration schedules) and distribute.
+distribute.
 """
 
 from __future__ import annotations
@@ -12,17 +12,29 @@ from .base import Pass, PassResult
 from .batch_by_shape import BatchByShape
 from .canonicalize import Canonicalize
 from .choose_algorithm import ChooseAlgorithm
+from .choose_precision import ChoosePrecision
 from .fuse_newton_schulz import FuseNewtonSchulz
 from .runner import PassRecord, run_pipeline
 
 
-def default_pipeline(target: Target, precision: str = "auto", force_batch: bool = False) -> tuple[Pass, ...]:
-    """``force_batch``: the Triton backend launches per shape group, whatever the target."""
+def default_pipeline(
+    target: Target,
+    precision: str = "auto",
+    force_batch: bool = False,
+    error_budget: float | None = None,
+    schedule: tuple[str, ...] = (),
+    apply_schedules: bool = True,
+) -> tuple[Pass, ...]:
+    """``force_batch``/``apply_schedules``: the Triton backend launches per shape group and has no
+    FP8 or mixed-precision kernels yet (its schedules are planned and explained, not applied)."""
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
         BatchByShape(target=target, force=force_batch),
         ChooseAlgorithm(target=target, precision=precision),
+        ChoosePrecision(
+            target=target, precision=precision, error_budget=error_budget, schedule=schedule, apply=apply_schedules
+        ),
     )
 
 
@@ -30,6 +42,7 @@ __all__ = [
     "BatchByShape",
     "Canonicalize",
     "ChooseAlgorithm",
+    "ChoosePrecision",
     "FuseNewtonSchulz",
     "Pass",
     "PassRecord",

@@ -116,6 +116,7 @@ class ChooseAlgorithm(Pass):
             m, n = (cols, rows) if node.args[6] else (rows, cols)
             batch = int(x.shape[0]) if x.dim() == 3 else 1
             coefficients = list(zip(node.args[1], node.args[2], node.args[3]))
+            node.meta.setdefault("hocompile.eager_dtype", node.args[7])  # choose-precision's default budget
             plan = decide(m, n, batch, coefficients, node.args[7], self.precision, self.target)
             args = list(node.args)
             args[7], args[9], args[10], args[11] = plan.compute_dtype, plan.algorithm, list(plan.restarts), plan.matmul

@@ -58,7 +58,7 @@ SEED = 0
 EPS, EPS_MODE = 1e-7, "clamp"
 # The "low-precision-early" family: the first j iterations in EARLY, the rest in LATE.
 EARLY_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "fp16", "bf16")
-LATE_FORMATS = ("bf16", "fp32")
+LATE_FORMATS = ("bf16", "fp16", "fp32")
 SIGNIFICANT_DIGITS = 4
 
 Schedule = tuple[str, ...]

@@ -184,7 +184,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
             else:
                 target = resolve_target(self._settings.target, self._settings.cache_dir, self._device())
                 triton = self.backend == "triton"
-                self._pipeline_cache = default_pipeline(target, self._settings.precision, force_batch=triton)
+                settings = self._settings
+                self._pipeline_cache = default_pipeline(
+                    target, settings.precision, force_batch=triton, error_budget=settings.error_budget,
+                    schedule=settings.schedule, apply_schedules=not triton,
+                )
         return self._pipeline_cache
 
     def _device(self) -> torch.device:
