@@ -32,7 +32,9 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/muon_step.py --shapes gpt2-layer
+	$(BIN)/python benchmarks/train_precision.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -178,3 +178,20 @@ def test_every_emitted_schedule_keeps_its_budget_on_every_spectrum(name: str, st
                 error = (out.double() - exact).abs().amax(dim=(-2, -1))
                 worst = (error / eager).max().item()
                 assert (error <= PER_CASE_TOLERANCE * eager).all(), (name, algorithm, schedule_key(schedule), worst)
+
+
+def test_explicit_low_precision_schedule_switches_gram_to_standard(cache_dir) -> None:
+    # On this CPU choose-algorithm picks Gram NS (fp32) for wide matrices; an
+    # explicit FP8 schedule must not run inside Gram NS (measured: NaN).
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 256))
+    opt = hocompile.compile_optimizer(
+        torch.optim.Muon([param], lr=0.02), target="cpu-avx2", schedule="fp8_e4m3*1+fp16*4", cache_dir=cache_dir
+    )
+    for _ in range(3):
+        param.grad = torch.randn_like(param)
+        opt.step()
+    assert torch.isfinite(param).all()
+    report = hocompile.explain(opt)
+    assert "standard NS: Gram NS is unsafe below fp32/tf32" in report, report
+    assert "schedule fp8_e4m3*1+fp16*4" in opt.history[-1].final_graph

@@ -210,6 +210,11 @@ class ChoosePrecision(Pass):
                     f"schedule has {len(self.schedule)} formats but {node.name} runs {len(coefficients)} iterations"
                 )
             schedule, note = self.schedule, "explicit schedule"
+            if algorithm == "gram" and not set(schedule) <= GRAM_FORMATS:
+                # Measured: Gram NS with FP8/half-precision iterations diverges
+                # (NaN after one step of fp8_e4m3*1+fp16*4 without a restart).
+                args[9], args[10] = "standard", []
+                note += " (standard NS: Gram NS is unsafe below fp32/tf32)"
         else:
             eager_dtype = node.meta.get("hocompile.eager_dtype", args[7])
             try:
