@@ -30,7 +30,7 @@ class TestMatmulKernelGoldens(TestCase):
             generate_gram(spec, ORIGIN).source,
             """\
 # kernel ns_gram_bf16_b1_16x32_norm_clamp: family gram; from fuse-newton-schulz node newton_schulz_1
-# spec: GramSpec(batch=1, m=16, k=32, dtype=torch.bfloat16, arch='interpret', normalize=True, eps_mode='clamp')
+# spec: GramSpec(batch=1, m=16, k=32, dtype=torch.bfloat16, arch='interpret', normalize=True, eps_mode='clamp', in_dtype=None)
 # tile: BLOCK_M=16 BLOCK_N=16 BLOCK_K=16 num_warps=1 num_stages=1
 @triton.jit
 def ns_gram_bf16_b1_16x32_norm_clamp(
@@ -171,7 +171,7 @@ def launch_ns_sym_poly_bf16_b1_16x16(A, out, a, b, c, *, upcast):
             generate_gemm(spec, ORIGIN).source,
             """\
 # kernel ns_gemm_bf16_b1_16x32x16_acc: family gemm; from fuse-newton-schulz node newton_schulz_1
-# spec: GemmSpec(batch=1, m=16, n=32, k=16, dtype=torch.bfloat16, arch='interpret', out_dtype=None, accumulate=True, symmetric=False)
+# spec: GemmSpec(batch=1, m=16, n=32, k=16, dtype=torch.bfloat16, arch='interpret', out_dtype=None, accumulate=True, symmetric=False, r_dtype=None)
 # tile: BLOCK_M=16 BLOCK_N=16 BLOCK_K=16 num_warps=1 num_stages=1
 @triton.jit
 def ns_gemm_bf16_b1_16x32x16_acc(

@@ -24,16 +24,19 @@ def default_pipeline(
     error_budget: float | None = None,
     schedule: tuple[str, ...] = (),
     apply_schedules: bool = True,
+    kernel_formats: frozenset[str] | None = None,
 ) -> tuple[Pass, ...]:
-    """``force_batch``/``apply_schedules``: the Triton backend launches per shape group and has no
-    FP8 or mixed-precision kernels yet (its schedules are planned and explained, not applied)."""
+    """``force_batch``: the Triton backend launches per shape group. ``kernel_formats``: the
+    formats the lowering has NS kernels for (None: all, the aten path emulates any); a schedule
+    using others is planned and explained, not applied. ``apply_schedules=False`` applies none."""
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
         BatchByShape(target=target, force=force_batch),
         ChooseAlgorithm(target=target, precision=precision),
         ChoosePrecision(
-            target=target, precision=precision, error_budget=error_budget, schedule=schedule, apply=apply_schedules
+            target=target, precision=precision, error_budget=error_budget, schedule=schedule, apply=apply_schedules,
+            formats=kernel_formats,
         ),
     )
 

@@ -172,9 +172,11 @@ class ChoosePrecision(Pass):
     error_budget: float | None = None
     schedule: tuple[str, ...] = ()  # explicit: the same schedule for every op
     # The aten lowering runs any schedule (emulated GEMMs); the Triton
-    # lowering has no FP8 or mixed-precision kernels yet, so there the plan
-    # is recorded and explained but not applied.
+    # lowering runs standard-NS schedules of the formats it has kernels for
+    # (``formats``, ns_scheduled.schedule_formats); other plans are recorded
+    # and explained but not applied.
     apply: bool = True
+    formats: frozenset[str] | None = None  # None: every format
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         ns = torch.ops.hocompile.newton_schulz.default
@@ -192,7 +194,7 @@ class ChoosePrecision(Pass):
         if not planned:
             return PassResult(gm, False, self.decline("no op planned"), declined)
         gm.recompile()
-        how = "" if self.apply else " (recorded, not applied: the Triton lowering has no FP8/mixed kernels yet)"
+        how = "" if self.apply else " (recorded, not applied)"
         summary = ", ".join(f"{k} ×{v}" for k, v in sorted(planned.items())) + f" on {self.target.name}{how}"
         return PassResult(gm, True, summary, declined)
 
@@ -247,6 +249,11 @@ class ChoosePrecision(Pass):
             # Eager's own precision (or fp32): the op's compute dtype, normalised where eager rounds.
             args[7] = _STORAGE[schedule[0]]
             node.args = tuple(args[:12]) + tuple(args[12:13])
+        elif self.formats is not None and (args[9] != "standard" or not set(schedule) <= self.formats):
+            missing = sorted(set(schedule) - self.formats)
+            why = f"no kernels for {missing}" if missing else f"no scheduled {args[9]} NS kernels"
+            node.meta[DECISION] = str(node.meta[DECISION]) + f" (recorded, not applied: {why})"
+            return f"planned {key} (not applied: {why})"
         else:
             # Anything else runs as a schedule: normalised in fp32 first (a
             # uniform fp16 cast of the raw input would underflow tiny norms).

@@ -38,6 +38,16 @@ from .cache import DiskCache
 from .guards import Signature, describe_change, signature
 from .validate import validate
 
+
+def _kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None:
+    """The NS formats the Triton lowering has kernels for on ``device``; None (all) for aten."""
+    if not triton:
+        return None
+    from ..lowering.triton import device_arch
+    from ..lowering.triton.ns_scheduled import schedule_formats
+
+    return schedule_formats(device_arch(device))
+
 log = logging.getLogger("hocompile")
 
 
@@ -187,7 +197,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 settings = self._settings
                 self._pipeline_cache = default_pipeline(
                     target, settings.precision, force_batch=triton, error_budget=settings.error_budget,
-                    schedule=settings.schedule, apply_schedules=not triton,
+                    schedule=settings.schedule, kernel_formats=_kernel_formats(triton, self._device()),
                 )
         return self._pipeline_cache
 

@@ -18,6 +18,7 @@ from ..graph import decisions
 from ..passes import default_pipeline, run_pipeline
 from ..settings import Settings
 from ..targets import resolve_target
+from .compiled_optimizer import _kernel_formats
 from .validate import validate
 
 
@@ -37,7 +38,7 @@ def plan(optimizer: torch.optim.Optimizer, **settings: Any) -> str:
         force_batch=triton,
         error_budget=resolved.error_budget,
         schedule=resolved.schedule,
-        apply_schedules=not triton,
+        kernel_formats=_kernel_formats(triton, device),
     )
     gm, records = run_pipeline(captured.gm, pipeline, resolved.disabled_passes, None)
     lines = [f"plan for {type(optimizer).__name__}.step on {target.describe()}:"]

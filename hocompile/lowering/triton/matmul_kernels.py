@@ -45,17 +45,26 @@ class GramSpec:
     arch: str
     normalize: bool = False
     eps_mode: str = "clamp"
+    # X is stored in another dtype (a scheduled NS's previous iteration): rounded to ``dtype`` as loaded
+    in_dtype: torch.dtype | None = None
     family = "gram"
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, "dtype")
         if self.eps_mode not in EPS_MODES:
             raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {self.eps_mode!r}")
+        if self.in_dtype is not None:
+            _check_dtype(self.in_dtype, "in_dtype")
+            if self.normalize:
+                raise ValueError("a normalising gram kernel reads X in its own dtype")
+        if self.in_dtype == self.dtype:  # one spec (and one name) per kernel
+            object.__setattr__(self, "in_dtype", None)
 
     @property
     def name(self) -> str:
         norm = f"_norm_{self.eps_mode}" if self.normalize else ""
-        return f"ns_gram_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.k}{norm}"
+        src = f"_from_{SHORT[self.in_dtype]}" if self.in_dtype is not None else ""
+        return f"ns_gram_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.k}{norm}{src}"
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,9 @@ class GemmSpec:
     out_dtype: torch.dtype | None = None  # None: the compute dtype
     accumulate: bool = False
     symmetric: bool = False  # the product is known symmetric: lower tiles only
+    # R (and C) stored in another dtype (a scheduled NS's previous iterate): R rounded to ``dtype``
+    # as loaded, C read as is (an epilogue input is not a tensor-core operand)
+    r_dtype: torch.dtype | None = None
     family = "gemm"
 
     def __post_init__(self) -> None:
@@ -98,6 +110,10 @@ class GemmSpec:
         _check_dtype(self.stored_dtype, "out_dtype")
         if self.out_dtype == self.dtype:  # one spec (and one name) per kernel
             object.__setattr__(self, "out_dtype", None)
+        if self.r_dtype is not None:
+            _check_dtype(self.r_dtype, "r_dtype")
+        if self.r_dtype == self.dtype:
+            object.__setattr__(self, "r_dtype", None)
         if self.symmetric and self.m != self.n:
             raise ValueError(f"a symmetric gemm must be square, got {self.m}x{self.n}")
 
@@ -109,7 +125,8 @@ class GemmSpec:
     def name(self) -> str:
         flags = ("_acc" if self.accumulate else "") + ("_sym" if self.symmetric else "")
         out = f"_out_{SHORT[self.stored_dtype]}" if self.stored_dtype != self.dtype else ""
-        return f"ns_gemm_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.n}x{self.k}{flags}{out}"
+        src = f"_r_{SHORT[self.r_dtype]}" if self.r_dtype is not None else ""
+        return f"ns_gemm_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.n}x{self.k}{flags}{src}{out}"
 
 
 # ---------------------------------------------------------------- line emitters
@@ -155,6 +172,23 @@ def _dot(w: CodeWriter, left: str, right: str, dtype: torch.dtype) -> None:
     # fp32 is true fp32 here; allowing TF32 is a later, separate precision decision.
     precision = ', input_precision="ieee"' if dtype == torch.float32 else ""
     w.line(f"acc = tl.dot({left}, {right}, acc{precision})")
+
+
+def _requantize(w: CodeWriter, var: str, stored: torch.dtype | None, dtype: torch.dtype) -> None:
+    """An operand tile loaded from a tensor stored in ``stored`` becomes a ``dtype`` operand.
+
+    Rounded once from its (exact) fp32 value to ``dtype``, as the emulation's
+    ``quantize`` casts it; on GPU then cast to ``dtype`` (exact) for the dot.
+    """
+    if stored is None or stored == dtype:
+        return
+    w.line(f"# stored as {SHORT[stored]}: round to the {SHORT[dtype]} operand the tensor core sees")
+    w.line(f"{var} = {var}.to(tl.float32)")
+    _round(w, var, dtype)
+    if dtype != torch.float32:
+        w.line("if not UPCAST:")
+        with w.indent():
+            w.line(f"{var} = {var}.to({TL_DTYPE[dtype]})")
 
 
 def _cast(var: str, stored: torch.dtype) -> str:
@@ -267,6 +301,7 @@ def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
                 if spec.normalize:
                     _gram_normalize_tile(w, side, dtype)
                 else:
+                    _requantize(w, f"x_{side}", spec.in_dtype, dtype)
                     _upcast(w, [f"x_{side}"], dtype)
             _dot(w, "x_i", "tl.trans(x_j)", dtype)
         _round(w, "acc", dtype)
@@ -391,6 +426,7 @@ def generate_gemm(spec: GemmSpec, origin: str) -> KernelSource:
             w.line("ks = k0 + tl.arange(0, BLOCK_K)")
             _load(w, "left", "l_base", rows, "ks", "K", ("M", "K"))
             _load(w, "right", "r_base", "ks", cols, "N", ("K", "N"))
+            _requantize(w, "right", spec.r_dtype, dtype)
             _upcast(w, ["left", "right"], dtype)
             _dot(w, "left", "right", dtype)
         w.line("res = alpha * acc")

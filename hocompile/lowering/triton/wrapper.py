@@ -26,6 +26,7 @@ from ...graph import ORIGIN
 from ..writeback import readers
 from .code import CodeWriter, KernelSource
 from .ns_kernels import emit_newton_schulz
+from .ns_scheduled import emit_newton_schulz_scheduled
 from .pointwise import PointwiseSpec, generate_pointwise, partial_count, region_spec
 from .regions import NSGroup, NSRef, find_ns_groups, find_regions, is_placeholder_slot
 from .schedule import PointwiseGroup, Unit, build_units, schedule
@@ -72,13 +73,24 @@ def _py(arg: Any, names: _Names) -> str:
     return repr(arg)
 
 
+def ns_schedule(node: fx.Node) -> str:
+    """The op's per-iteration precision schedule key (choose-precision), or ""."""
+    return str(node.args[13]) if len(node.args) > 13 and node.args[13] else ""
+
+
+def ns_input_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype of the NS workspace the pre-kernel writes: the op's compute dtype, or fp32 for a
+    schedule (whose reference normalises the fp32 input; the first iteration's operands round later)."""
+    return torch.float32 if ns_schedule(node) else node.args[7]  # type: ignore[return-value]
+
+
 def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str, upcast: str) -> WrapperPlan:
     ns_groups, refs = find_ns_groups(gm)
     regions = find_regions(gm, ns_groups)
     layout = {n: ref.transposed for n, ref in refs.items()}
     groups: dict[PointwiseSpec, PointwiseGroup] = {}
     for region in regions:
-        feed_dtype = ns_groups[region.feed.group].node.args[7] if region.feed is not None else None
+        feed_dtype = ns_input_dtype(ns_groups[region.feed.group].node) if region.feed is not None else None
         spec = region_spec(region, layout, feed_dtype, arch)  # type: ignore[arg-type]
         groups.setdefault(spec, PointwiseGroup(spec)).members.append(region)
     units, producer = build_units(gm, list(groups.values()), ns_groups)
@@ -199,7 +211,7 @@ class _Emitter:
     def _emit_buffers(self, w: CodeWriter, units: list[Unit]) -> None:
         for group in self.ns_groups:
             x = group.node.args[0].meta["val"]  # type: ignore[union-attr]
-            compute, out_dtype = group.node.args[7], group.node.args[8]
+            compute, out_dtype = ns_input_dtype(group.node), group.node.args[8]
             shape = (group.batch, group.m, group.n)
             parts = partial_count(group.m * group.n, self.arch)
             g = group.index
@@ -278,7 +290,7 @@ class _Emitter:
             if region.feed is not None:
                 ref = region.feed
                 ns = self.ns_groups[ref.group]
-                compute = ns.node.args[7]
+                compute = ns_input_dtype(ns.node)
                 size = ns.m * ns.n * compute.itemsize  # type: ignore[union-attr]
                 parts = partial_count(ns.m * ns.n, self.arch)
                 rows.append(f"ws{ref.group}.data_ptr() + {ref.slot * size}")
@@ -312,6 +324,38 @@ class _Emitter:
         eps_expr = f"scal[{self.scalar_index[eps]}]"  # a 0-d view: read on the device, never baked in
         g = group.index
         ns_lines = CodeWriter()
+        schedule = ns_schedule(node)
+        if schedule:
+            from ...precision.calibrate import parse_schedule_key
+
+            kernels = emit_newton_schulz_scheduled(
+                ns_lines,
+                x=f"ws{g}",
+                partials=f"part{g}",
+                P=str(partial_count(group.m * group.n, self.arch)),
+                eps=eps_expr,
+                out=f"nsout{g}",
+                batch=group.batch,
+                m=group.m,
+                n=group.n,
+                coefficients=list(zip(a, b, c)),
+                schedule=parse_schedule_key(schedule),
+                out_dtype=out_dtype,
+                eps_mode=eps_mode,
+                arch=self.arch,
+                origin=f"fuse-newton-schulz/choose-precision node {node.name}",
+                upcast=self.upcast,
+                prefix=f"ns{g}_",
+                algorithm=algorithm,
+            )
+            w.extend(ns_lines)
+            launched = ns_lines.count("launch_") + ns_lines.count(".copy_(")
+            self.launches += launched
+            self.kernels += kernels
+            return (
+                f"newton-schulz group {g}: {group.batch} x {group.m}x{group.n} {algorithm} "
+                f"schedule {schedule}, {launched} launches"
+            )
         kernels = emit_newton_schulz(
             ns_lines,
             x=f"ws{g}",
