@@ -412,6 +412,11 @@ NATIVE_KERNELS = [
     generate_sym_poly(SymPolySpec(2, 200, torch.bfloat16, "sm90"), "test"),
     generate_gemm(GemmSpec(2, 200, 300, 200, torch.bfloat16, "sm90", torch.float32, accumulate=True), "test"),
     generate_gemm(GemmSpec(2, 200, 200, 200, torch.float16, "sm90", symmetric=True), "test"),
+    # Scheduled NS: an fp16 iteration reading a bf16-stored iterate rounds it as it loads.
+    generate_gram(GramSpec(2, 200, 300, torch.float16, "sm90", in_dtype=torch.bfloat16), "test"),
+    generate_gemm(
+        GemmSpec(2, 200, 300, 200, torch.float16, "sm90", accumulate=True, r_dtype=torch.bfloat16), "test"
+    ),
 ]
 
 

@@ -317,10 +317,25 @@ def native_pointwise_report() -> None:
                 options={"num_warps": kernel.tile["num_warps"]},
             )
             print(json.dumps({"name": kernel.name, "ptx_bytes": len(compiled.asm["ptx"])}))
+        # The scheduled NS's fp32 normalisation (+ amax) kernel and its amax-only variant.
+        from hocompile.lowering.triton.ns_scheduled import generate_scale
+
+        for normalize in (True, False):
+            kernel = generate_scale(
+                2, 200, 300, torch.bfloat16, "sm90", "test", normalize=normalize, eps_mode="clamp", amax=True
+            )
+            module, _ = load(assemble([kernel]), cache_dir)
+            fn = getattr(module, kernel.name)
+            ptr = {"x_ptr": "*bf16" if not normalize else "*fp32"}
+            signature = {name: ptr.get(name, "*fp32") if name.endswith("_ptr") else "i32" for name in fn.arg_names}
+            constexprs = {"NUMEL": 200 * 300, "PARTS": 30, "BLOCK": kernel.tile["BLOCK"], "BLOCK_P": 32}
+            signature |= {name: "constexpr" for name in constexprs}
+            compiled = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+            print(json.dumps({"name": kernel.name, "ptx_bytes": len(compiled.asm["ptx"])}))
 
 
-def test_pointwise_kernels_compile_for_hopper() -> None:
-    """The interpreter accepts code the compiler rejects: compile the pointer-table kernels for sm90."""
+def test_pointwise_and_scale_kernels_compile_for_hopper() -> None:
+    """The interpreter accepts code the compiler rejects: compile the pointer-table and ns_scale kernels for sm90."""
     import json
     import os
     import subprocess
@@ -338,4 +353,5 @@ def test_pointwise_kernels_compile_for_hopper() -> None:
     )
     assert run.returncode == 0, run.stderr[-4000:]
     report = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(report) == 4 and all(r["ptx_bytes"] > 0 for r in report), report  # 2 shapes x (before, after NS)
+    # 2 shapes x (before, after NS) pointwise kernels, then 2 ns_scale variants
+    assert len(report) == 6 and all(r["ptx_bytes"] > 0 for r in report), report
