@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .code import SHORT, CodeWriter, KernelSource, emit_round
-from .matmul_kernels import _cast, _cdiv, _header, _lower_grid, _lower_tile, _store, _store_symmetric, _wrapped
+from .tile_code import cast, cdiv, header, lower_grid, lower_tile, store, store_symmetric, wrapped
 from .tiles import TileConfig, matmul_tile
 
 FP8_FORMATS = ("fp8_e4m3", "mxfp8_e4m3")
@@ -116,16 +116,16 @@ class Fp8GemmSpec:
 def fp8_tile(spec: Fp8GemmSpec) -> TileConfig:
     """The matmul table's tile with BLOCK_K rounded up to a multiple of the 32-wide chunk."""
     tile = matmul_tile(spec.arch, torch.bfloat16, spec.name)
-    return replace(tile, BLOCK_K=_cdiv(tile.BLOCK_K, CHUNK) * CHUNK)
+    return replace(tile, BLOCK_K=cdiv(tile.BLOCK_K, CHUNK) * CHUNK)
 
 
 def amax_tiles(spec: Fp8GemmSpec) -> int:
     """How many amax partials per matrix an ``amax_out`` kernel writes (its tiles per matrix)."""
     tile = fp8_tile(spec)
     if spec.symmetric:
-        tiles = _cdiv(spec.m, tile.BLOCK_M)
+        tiles = cdiv(spec.m, tile.BLOCK_M)
         return tiles * (tiles + 1) // 2
-    return _cdiv(spec.m, tile.BLOCK_M) * _cdiv(spec.n, tile.BLOCK_N)
+    return cdiv(spec.m, tile.BLOCK_M) * cdiv(spec.n, tile.BLOCK_N)
 
 
 # ---------------------------------------------------------------- line emitters
@@ -219,7 +219,7 @@ def generate_fp8_gemm(spec: Fp8GemmSpec, origin: str) -> KernelSource:
     tile = fp8_tile(spec)
     name, out = spec.name, spec.out_dtype
     w = CodeWriter()
-    _header(w, name, spec.family, spec, origin, tile)
+    header(w, name, spec.family, spec, origin, tile)
     args = ["l_ptr", "r_ptr", "out_ptr", "alpha"] + (["c_ptr", "beta"] if spec.accumulate else [])
     args += ["l_amax_ptr", "r_amax_ptr", "L_PARTS", "R_PARTS"] if spec.per_tensor else []
     args += ["amax_out_ptr"] if spec.amax_out else []
@@ -230,13 +230,13 @@ def generate_fp8_gemm(spec: Fp8GemmSpec, origin: str) -> KernelSource:
     w.line("@triton.jit")
     w.line(f"def {name}(")
     with w.indent():
-        _wrapped(w, args)
-        _wrapped(w, [f"{c}: tl.constexpr" for c in consts])
+        wrapped(w, args)
+        wrapped(w, [f"{c}: tl.constexpr" for c in consts])
         w.line("UPCAST: tl.constexpr,  # interpreter: e4m3 rounding emulated on fp32 bits, chunk dots in fp64")
     w.line("):")
     with w.indent():
         if spec.symmetric:
-            _lower_tile(w)
+            lower_tile(w)
             rows, cols, block_n = "rows_i", "rows_j", "BLOCK_M"
         else:
             w.line("pid = tl.program_id(0)")
@@ -271,11 +271,11 @@ def generate_fp8_gemm(spec: Fp8GemmSpec, origin: str) -> KernelSource:
             w.line("res = res + c.to(tl.float32) * beta")
         emit_round(w, "res", out)
         if spec.symmetric:
-            _store_symmetric(w, "out_ptr + out_offs", "M", "res", out)
+            store_symmetric(w, "out_ptr + out_offs", "M", "res", out)
             valid = "lower"  # a diagonal tile's upper half is not stored (its mirror is)
         else:
             w.line(f"out_mask = ({rows}[:, None] < M) & ({cols}[None, :] < N)")
-            _store(w, "out_ptr + out_offs", rows, cols, "N", _cast("res", out), "out_mask")
+            store(w, "out_ptr + out_offs", rows, cols, "N", cast("res", out), "out_mask")
             valid = "out_mask"
         if spec.amax_out:
             w.line("# the next fp8 product's scale: amax of the stored values, one partial per tile")
@@ -291,9 +291,9 @@ def _emit_launcher(w: CodeWriter, spec: Fp8GemmSpec, tile: TileConfig) -> None:
     name = spec.name
     b, m, n, k = spec.batch, spec.m, spec.n, spec.k
     if spec.symmetric:
-        grid, note = _lower_grid(m, b, tile)
+        grid, note = lower_grid(m, b, tile)
     else:
-        grid = (_cdiv(m, tile.BLOCK_M) * _cdiv(n, tile.BLOCK_N), b)
+        grid = (cdiv(m, tile.BLOCK_M) * cdiv(n, tile.BLOCK_N), b)
         note = f"{grid[0]} tiles of {tile.BLOCK_M}x{tile.BLOCK_N}, batch {b}"
     params = "L, R, out, alpha, *, upcast, C=None, beta=0.0, l_amax=None, r_amax=None, amax_out=None"
     w.line(f"def launch_{name}({params}):")
@@ -320,12 +320,12 @@ def _emit_launcher(w: CodeWriter, spec: Fp8GemmSpec, tile: TileConfig) -> None:
             args += ["l_amax", "r_amax", "l_amax.shape[1]", "r_amax.shape[1]"] if spec.per_tensor else []
             args += ["amax_out"] if spec.amax_out else []
             args += ["L.stride(0)", "L.stride(1)", "L.stride(2)", "R.stride(0)", "R.stride(1)", "R.stride(2)"]
-            _wrapped(w, args)
+            wrapped(w, args)
             consts = [f"M={m}", f"N={n}", f"K={k}", f"BLOCK_M={tile.BLOCK_M}"]
             consts += [] if spec.symmetric else [f"BLOCK_N={tile.BLOCK_N}"]
             consts += [f"BLOCK_K={tile.BLOCK_K}"] + ([f"BLOCK_AMAX={BLOCK_AMAX}"] if spec.per_tensor else [])
             consts += [f"AMAX_TILES={amax_tiles(spec)}"] if spec.amax_out else []
             consts += ["UPCAST=upcast", f"num_warps={tile.num_warps}", f"num_stages={tile.num_stages}"]
-            _wrapped(w, consts)
+            wrapped(w, consts)
             w.line("enable_fp_fusion=False,  # no FMA: the epilogue rounds as emulate does")
         w.line(")")

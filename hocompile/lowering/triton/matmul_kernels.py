@@ -23,7 +23,23 @@ import torch
 from ...newton_schulz import EPS_MODES
 from .code import SHORT, TL_DTYPE, CodeWriter, KernelSource
 from .code import emit_round as _round
-from .tiles import TileConfig, matmul_tile
+from .tile_code import (
+    cast,
+    cdiv,
+    dot,
+    header,
+    launcher,
+    load,
+    lower_grid,
+    lower_tile,
+    requantize,
+    signature,
+    store,
+    store_symmetric,
+    tile_consts,
+    upcast,
+)
+from .tiles import matmul_tile
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_P = 32  # partial sums of squares summed per step when normalising
@@ -132,162 +148,16 @@ class GemmSpec:
 # ---------------------------------------------------------------- line emitters
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _header(w: CodeWriter, name: str, family: str, spec: object, origin: str, tile: TileConfig) -> None:
-    w.line(f"# kernel {name}: family {family}; from {' '.join(origin.split())}")
-    w.line(f"# spec: {spec!r}")
-    w.line(
-        f"# tile: BLOCK_M={tile.BLOCK_M} BLOCK_N={tile.BLOCK_N} BLOCK_K={tile.BLOCK_K} "
-        f"num_warps={tile.num_warps} num_stages={tile.num_stages}"
-    )
-
-
-def _lower_tile(w: CodeWriter) -> None:
-    """Map ``pid`` to the lower-triangle tile (pid_i >= pid_j), row by row; rows_i, rows_j its rows and columns."""
-    w.line("pid = tl.program_id(0)")
-    w.line("batch = tl.program_id(1).to(tl.int64)")
-    w.line("pid_i = ((tl.sqrt((8 * pid + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)")
-    w.line("# the float square root may land one row off: fix it with exact integer tests")
-    w.line("pid_i = tl.where(pid_i * (pid_i + 1) // 2 > pid, pid_i - 1, pid_i)")
-    w.line("pid_i = tl.where((pid_i + 1) * (pid_i + 2) // 2 <= pid, pid_i + 1, pid_i)")
-    w.line("pid_j = pid - pid_i * (pid_i + 1) // 2")
-    w.line("rows_i = pid_i * BLOCK_M + tl.arange(0, BLOCK_M)")
-    w.line("rows_j = pid_j * BLOCK_M + tl.arange(0, BLOCK_M)")
-
-
-def _upcast(w: CodeWriter, names: list[str], dtype: torch.dtype) -> None:
-    """The interpreter computes half-precision dots wrongly: there, dot in fp32 (exact for these values)."""
-    if dtype == torch.float32:
-        return
-    w.line("if UPCAST:")
-    with w.indent():
-        for var in names:
-            w.line(f"{var} = {var}.to(tl.float32)")
-
-
-def _dot(w: CodeWriter, left: str, right: str, dtype: torch.dtype) -> None:
-    # fp32 is true fp32 here; allowing TF32 is a later, separate precision decision.
-    precision = ', input_precision="ieee"' if dtype == torch.float32 else ""
-    w.line(f"acc = tl.dot({left}, {right}, acc{precision})")
-
-
-def _requantize(w: CodeWriter, var: str, stored: torch.dtype | None, dtype: torch.dtype) -> None:
-    """An operand tile loaded from a tensor stored in ``stored`` becomes a ``dtype`` operand.
-
-    Rounded once from its (exact) fp32 value to ``dtype``, as the emulation's
-    ``quantize`` casts it; on GPU then cast to ``dtype`` (exact) for the dot.
-    """
-    if stored is None or stored == dtype:
-        return
-    w.line(f"# stored as {SHORT[stored]}: round to the {SHORT[dtype]} operand the tensor core sees")
-    w.line(f"{var} = {var}.to(tl.float32)")
-    _round(w, var, dtype)
-    if dtype != torch.float32:
-        w.line("if not UPCAST:")
-        with w.indent():
-            w.line(f"{var} = {var}.to({TL_DTYPE[dtype]})")
-
-
-def _cast(var: str, stored: torch.dtype) -> str:
-    """``var`` (already rounded to ``stored``) as a value to store: the cast is exact."""
-    return var if stored == torch.float32 else f"{var}.to({TL_DTYPE[stored]})"
-
-
-def _load(w: CodeWriter, var: str, base: str, rows: str, cols: str, ld: str, limits: tuple[str, str]) -> None:
-    """``var = base[rows, cols]`` (row stride ``ld``), zero outside ``rows < limits[0]``, ``cols < limits[1]``."""
-    w.line(f"{var}_mask = ({rows}[:, None] < {limits[0]}) & ({cols}[None, :] < {limits[1]})")
-    w.line(f"{var} = tl.load({base} + {rows}[:, None] * {ld} + {cols}[None, :], mask={var}_mask, other=0.0)")
-
-
-def _store(w: CodeWriter, base: str, rows: str, cols: str, ld: str, value: str, mask: str) -> None:
-    w.line(f"tl.store({base} + {rows}[:, None] * {ld} + {cols}[None, :], {value}, mask={mask})")
-
-
-def _store_symmetric(w: CodeWriter, base: str, ld: str, res: str, stored: torch.dtype) -> None:
-    """Store the (i, j) tile and its mirror, so the result is exactly symmetric.
-
-    Off the diagonal every row of tile i is below every row of tile j, so the
-    triangle tests pass everywhere; a diagonal tile keeps its lower half and
-    mirrors it (a dot need not be bitwise symmetric there).
-    """
-    w.line(f"lower = (rows_i[:, None] < {ld}) & (rows_j[None, :] <= rows_i[:, None])")
-    _store(w, base, "rows_i", "rows_j", ld, _cast(res, stored), "lower")
-    w.line(f"upper = (rows_i[None, :] < {ld}) & (rows_j[:, None] < rows_i[None, :])")
-    _store(w, base, "rows_j", "rows_i", ld, _cast(f"tl.trans({res})", stored), "upper")
-
-
-def _wrapped(w: CodeWriter, items: list[str], width: int = 100) -> None:
-    """``items`` as comma-terminated lines of at most about ``width`` characters."""
-    line: list[str] = []
-    for item in items:
-        if line and len(", ".join(line + [item])) > width:
-            w.line(", ".join(line) + ",")
-            line = []
-        line.append(item)
-    if line:
-        w.line(", ".join(line) + ",")
-
-
-def _signature(w: CodeWriter, name: str, args: list[str], consts: list[str]) -> None:
-    w.line("@triton.jit")
-    w.line(f"def {name}(")
-    with w.indent():
-        _wrapped(w, args)
-        _wrapped(w, [f"{c}: tl.constexpr" for c in consts])
-        w.line("UPCAST: tl.constexpr,  # interpreter: dot on fp32 copies of half-precision tiles")
-    w.line("):")
-
-
-def _launcher(
-    w: CodeWriter,
-    name: str,
-    params: str,
-    grid: tuple[int, int],
-    grid_note: str,
-    args: list[str],
-    consts: list[str],
-    guard: str | None = None,
-) -> None:
-    w.line(f"def launch_{name}({params}):")
-    with w.indent():
-        if guard is not None:
-            w.line(guard)
-        w.line(f"grid = {grid}  # {grid_note}")
-        w.line(f"{name}[grid](")
-        with w.indent():
-            _wrapped(w, args)
-            _wrapped(w, consts)
-        w.line(")")
-
-
-def _tile_consts(tile: TileConfig, square: bool, extra: tuple[str, ...] = ()) -> list[str]:
-    blocks = [f"BLOCK_M={tile.BLOCK_M}"] + ([] if square else [f"BLOCK_N={tile.BLOCK_N}"])
-    launch = ["UPCAST=upcast", f"num_warps={tile.num_warps}", f"num_stages={tile.num_stages}"]
-    return blocks + [f"BLOCK_K={tile.BLOCK_K}", *extra] + launch
-
-
-def _lower_grid(spec_m: int, batch: int, tile: TileConfig) -> tuple[tuple[int, int], str]:
-    tiles = _cdiv(spec_m, tile.BLOCK_M)
-    lower = tiles * (tiles + 1) // 2
-    return (lower, batch), f"{lower} lower-triangle tiles of {tile.BLOCK_M}x{tile.BLOCK_M}, batch {batch}"
-
-
-# ---------------------------------------------------------------- gram
-
-
 def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
     tile = matmul_tile(spec.arch, spec.dtype, spec.name)
     name, dtype = spec.name, spec.dtype
     w = CodeWriter()
-    _header(w, name, spec.family, spec, origin, tile)
+    header(w, name, spec.family, spec, origin, tile)
     args = ["x_ptr", "out_ptr"] + (["x0_ptr", "partials_ptr", "P", "eps_ptr"] if spec.normalize else [])
     consts = ["M", "K", "BLOCK_M", "BLOCK_K"] + (["BLOCK_P"] if spec.normalize else [])
-    _signature(w, name, args, consts)
+    signature(w, name, args, consts)
     with w.indent():
-        _lower_tile(w)
+        lower_tile(w)
         w.line("x_base = x_ptr + batch * (M * K)")
         if spec.normalize:
             _gram_denominator(w, spec)
@@ -297,30 +167,30 @@ def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
         with w.indent():
             w.line("ks = k0 + tl.arange(0, BLOCK_K)")
             for side in ("i", "j"):
-                _load(w, f"x_{side}", "x_base", f"rows_{side}", "ks", "K", ("M", "K"))
+                load(w, f"x_{side}", "x_base", f"rows_{side}", "ks", "K", ("M", "K"))
                 if spec.normalize:
                     _gram_normalize_tile(w, side, dtype)
                 else:
-                    _requantize(w, f"x_{side}", spec.in_dtype, dtype)
-                    _upcast(w, [f"x_{side}"], dtype)
-            _dot(w, "x_i", "tl.trans(x_j)", dtype)
+                    requantize(w, f"x_{side}", spec.in_dtype, dtype)
+                    upcast(w, [f"x_{side}"], dtype)
+            dot(w, "x_i", "tl.trans(x_j)", dtype)
         _round(w, "acc", dtype)
         w.line("out_base = out_ptr + batch * (M * M)")
-        _store_symmetric(w, "out_base", "M", "acc", dtype)
+        store_symmetric(w, "out_base", "M", "acc", dtype)
     w.line()
     w.line()
-    grid, note = _lower_grid(spec.m, spec.batch, tile)
+    grid, note = lower_grid(spec.m, spec.batch, tile)
     params = "x, out, *, upcast, x0=None, partials=None, eps=None"
     if spec.normalize:
         args = ["x", "out", "x0", "partials", "partials.shape[1]", "eps"]
-        consts = [f"M={spec.m}", f"K={spec.k}"] + _tile_consts(tile, square=True, extra=(f"BLOCK_P={BLOCK_P}",))
-        _launcher(w, name, params, grid, note, args, consts)
+        consts = [f"M={spec.m}", f"K={spec.k}"] + tile_consts(tile, square=True, extra=(f"BLOCK_P={BLOCK_P}",))
+        launcher(w, name, params, grid, note, args, consts)
     else:
-        consts = [f"M={spec.m}", f"K={spec.k}"] + _tile_consts(tile, square=True)
+        consts = [f"M={spec.m}", f"K={spec.k}"] + tile_consts(tile, square=True)
         # One launcher signature for both variants, but a caller expecting a
         # normalisation this kernel does not do fails loudly.
         guard = "assert x0 is None and partials is None and eps is None, 'this gram kernel does not normalise'"
-        _launcher(w, name, params, grid, note, ["x", "out"], consts, guard)
+        launcher(w, name, params, grid, note, ["x", "out"], consts, guard)
     return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())
 
 
@@ -349,7 +219,7 @@ def _gram_normalize_tile(w: CodeWriter, side: str, dtype: torch.dtype) -> None:
         w.line("# X0 for the next kernels: each block row has one diagonal tile, whose program writes it")
         w.line("if pid_i == pid_j:")
         with w.indent():
-            _store(w, "x0_base", "rows_i", "ks", "K", _cast(var, dtype), "x_i_mask")
+            store(w, "x0_base", "rows_i", "ks", "K", cast(var, dtype), "x_i_mask")
     if dtype != torch.float32:
         w.line("if not UPCAST:")
         with w.indent():
@@ -363,34 +233,34 @@ def generate_sym_poly(spec: SymPolySpec, origin: str) -> KernelSource:
     tile = matmul_tile(spec.arch, spec.dtype, spec.name)
     name, dtype = spec.name, spec.dtype
     w = CodeWriter()
-    _header(w, name, spec.family, spec, origin, tile)
-    _signature(w, name, ["a_ptr", "out_ptr", "a", "b", "c"], ["M", "BLOCK_M", "BLOCK_K"])
+    header(w, name, spec.family, spec, origin, tile)
+    signature(w, name, ["a_ptr", "out_ptr", "a", "b", "c"], ["M", "BLOCK_M", "BLOCK_K"])
     with w.indent():
         w.line("# a, b, c are runtime arguments: one compiled kernel serves every iteration")
-        _lower_tile(w)
+        lower_tile(w)
         w.line("a_base = a_ptr + batch * (M * M)")
         if not spec.cubic:
             w.line("acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)")
             w.line("for k0 in range(0, M, BLOCK_K):")
             with w.indent():
                 w.line("ks = k0 + tl.arange(0, BLOCK_K)")
-                _load(w, "left", "a_base", "rows_i", "ks", "M", ("M", "M"))
-                _load(w, "right", "a_base", "ks", "rows_j", "M", ("M", "M"))
-                _upcast(w, ["left", "right"], dtype)
-                _dot(w, "left", "right", dtype)
-        _load(w, "tile", "a_base", "rows_i", "rows_j", "M", ("M", "M"))
+                load(w, "left", "a_base", "rows_i", "ks", "M", ("M", "M"))
+                load(w, "right", "a_base", "ks", "rows_j", "M", ("M", "M"))
+                upcast(w, ["left", "right"], dtype)
+                dot(w, "left", "right", dtype)
+        load(w, "tile", "a_base", "rows_i", "rows_j", "M", ("M", "M"))
         w.line("# the order of newton_schulz._gram: (b A + a I) + c A^2, one rounding at the end")
         w.line("res = b * tile.to(tl.float32) + tl.where(rows_i[:, None] == rows_j[None, :], a, 0.0)")
         if not spec.cubic:
             w.line("res = res + c * acc")
         _round(w, "res", dtype)
         w.line("out_base = out_ptr + batch * (M * M)")
-        _store_symmetric(w, "out_base", "M", "res", dtype)
+        store_symmetric(w, "out_base", "M", "res", dtype)
     w.line()
     w.line()
-    grid, note = _lower_grid(spec.m, spec.batch, tile)
-    consts = [f"M={spec.m}"] + _tile_consts(tile, square=True)
-    _launcher(w, name, "A, out, a, b, c, *, upcast", grid, note, ["A", "out", "a", "b", "c"], consts)
+    grid, note = lower_grid(spec.m, spec.batch, tile)
+    consts = [f"M={spec.m}"] + tile_consts(tile, square=True)
+    launcher(w, name, "A, out, a, b, c, *, upcast", grid, note, ["A", "out", "a", "b", "c"], consts)
     return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())
 
 
@@ -401,14 +271,14 @@ def generate_gemm(spec: GemmSpec, origin: str) -> KernelSource:
     tile = matmul_tile(spec.arch, spec.dtype, spec.name)
     name, dtype, stored = spec.name, spec.dtype, spec.stored_dtype
     w = CodeWriter()
-    _header(w, name, spec.family, spec, origin, tile)
+    header(w, name, spec.family, spec, origin, tile)
     args = ["l_ptr", "r_ptr", "out_ptr", "alpha"] + (["c_ptr", "beta"] if spec.accumulate else [])
     # symmetric tiles are square: BLOCK_M serves as BLOCK_N
     blocks = ["BLOCK_M", "BLOCK_K"] if spec.symmetric else ["BLOCK_M", "BLOCK_N", "BLOCK_K"]
-    _signature(w, name, args, ["M", "N", "K"] + blocks)
+    signature(w, name, args, ["M", "N", "K"] + blocks)
     with w.indent():
         if spec.symmetric:
-            _lower_tile(w)
+            lower_tile(w)
             rows, cols, block_n_name = "rows_i", "rows_j", "BLOCK_M"
         else:
             w.line("pid = tl.program_id(0)")
@@ -424,35 +294,35 @@ def generate_gemm(spec: GemmSpec, origin: str) -> KernelSource:
         w.line("for k0 in range(0, K, BLOCK_K):")
         with w.indent():
             w.line("ks = k0 + tl.arange(0, BLOCK_K)")
-            _load(w, "left", "l_base", rows, "ks", "K", ("M", "K"))
-            _load(w, "right", "r_base", "ks", cols, "N", ("K", "N"))
-            _requantize(w, "right", spec.r_dtype, dtype)
-            _upcast(w, ["left", "right"], dtype)
-            _dot(w, "left", "right", dtype)
+            load(w, "left", "l_base", rows, "ks", "K", ("M", "K"))
+            load(w, "right", "r_base", "ks", cols, "N", ("K", "N"))
+            requantize(w, "right", spec.r_dtype, dtype)
+            upcast(w, ["left", "right"], dtype)
+            dot(w, "left", "right", dtype)
         w.line("res = alpha * acc")
         w.line("out_offs = batch * (M * N)")
         if spec.accumulate:
-            _load(w, "c", "c_ptr + out_offs", rows, cols, "N", ("M", "N"))
+            load(w, "c", "c_ptr + out_offs", rows, cols, "N", ("M", "N"))
             w.line("res = res + beta * c.to(tl.float32)")
         _round(w, "res", dtype)
         if stored != dtype:
             w.line("# rounded to the compute dtype first, then converted, as eager's final .to(out_dtype)")
             _round(w, "res", stored)
         if spec.symmetric:
-            _store_symmetric(w, "out_ptr + out_offs", "M", "res", stored)
+            store_symmetric(w, "out_ptr + out_offs", "M", "res", stored)
         else:
             w.line(f"out_mask = ({rows}[:, None] < M) & ({cols}[None, :] < N)")
-            _store(w, "out_ptr + out_offs", rows, cols, "N", _cast("res", stored), "out_mask")
+            store(w, "out_ptr + out_offs", rows, cols, "N", cast("res", stored), "out_mask")
     w.line()
     w.line()
     if spec.symmetric:
-        grid, note = _lower_grid(spec.m, spec.batch, tile)
+        grid, note = lower_grid(spec.m, spec.batch, tile)
     else:
-        tiles_m, tiles_n = _cdiv(spec.m, tile.BLOCK_M), _cdiv(spec.n, tile.BLOCK_N)
+        tiles_m, tiles_n = cdiv(spec.m, tile.BLOCK_M), cdiv(spec.n, tile.BLOCK_N)
         grid = (tiles_m * tiles_n, spec.batch)
         note = f"{tiles_m}x{tiles_n} tiles of {tile.BLOCK_M}x{tile.BLOCK_N}, batch {spec.batch}"
-    consts = [f"M={spec.m}", f"N={spec.n}", f"K={spec.k}"] + _tile_consts(tile, square=spec.symmetric)
+    consts = [f"M={spec.m}", f"N={spec.n}", f"K={spec.k}"] + tile_consts(tile, square=spec.symmetric)
     args = ["L", "R", "out", "alpha"] + (["C", "beta"] if spec.accumulate else [])
     guard = None if spec.accumulate else "assert C is None, 'this gemm kernel does not accumulate'"
-    _launcher(w, name, "L, R, out, alpha, *, upcast, C=None, beta=0.0", grid, note, args, consts, guard)
+    launcher(w, name, "L, R, out, alpha, *, upcast, C=None, beta=0.0", grid, note, args, consts, guard)
     return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())

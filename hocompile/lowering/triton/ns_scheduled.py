@@ -81,7 +81,15 @@ def scale_parts(m: int, n: int, arch: str) -> int:
 
 
 def generate_scale(
-    batch: int, m: int, n: int, dtype: torch.dtype, arch: str, origin: str, *, normalize: bool, eps_mode: str,
+    batch: int,
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    arch: str,
+    origin: str,
+    *,
+    normalize: bool,
+    eps_mode: str,
     amax: bool,
 ) -> KernelSource:
     """``normalize``: ``x0 = x / denom`` in fp32 (newton_schulz.normalize with fp32 compute), and with
@@ -141,9 +149,7 @@ class _Buffers:
                 return name
         name = f"{self.prefix}buf{len(self.shapes)}"
         self.shapes[name] = (rows, cols, dtype)
-        self.w.line(
-            f"{name} = torch.empty(({self.batch}, {rows}, {cols}), device={self.x}.device, dtype={dtype})"
-        )
+        self.w.line(f"{name} = torch.empty(({self.batch}, {rows}, {cols}), device={self.x}.device, dtype={dtype})")
         return name
 
 
