@@ -66,7 +66,9 @@ SECTIONS = ("env", "kernels", "step", "gpt2", "large")
 GPT2 = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
 LARGE = [(4096, 4096)] * 8 + [(4096, 14336)] * 8
 SMOKE_SETS = {"gpt2": [(32, 48), (48, 32), (32, 32)] * 2, "large": [(48, 48), (48, 80)]}
-VARIANTS = ("eager", "hocompile", "torch.compile")  # torch.compile last: its compile is the likeliest to overrun
+# hocompile plans its NS precision per iteration (FP8 early on sm89+); "hocompile-bf16" pins bf16 throughout,
+# so the pair is the FP8-vs-bf16 NS timing. torch.compile last: its compile is the likeliest to overrun.
+VARIANTS = ("eager", "hocompile", "hocompile-bf16", "torch.compile")
 
 
 class Ctx:
@@ -274,8 +276,11 @@ def run_variant(
         torch._dynamo.reset()
         graphs0 = counters["stats"]["unique_graphs"]
         step = torch.compile(opt.step)
-    elif variant == "hocompile":
-        opt = hocompile.compile_optimizer(opt, backend="triton", cache_dir=ctx.cache_root / f"hocompile-{set_name}")
+    elif variant.startswith("hocompile"):
+        precision = "bf16" if variant == "hocompile-bf16" else "auto"
+        opt = hocompile.compile_optimizer(
+            opt, backend="triton", precision=precision, cache_dir=ctx.cache_root / f"{variant}-{set_name}"
+        )
         step = opt.step
     else:
         step = opt.step
@@ -318,7 +323,7 @@ def run_variant(
         res["profiler"] = _profile(ctx, step)
     except Exception as exc:  # noqa: BLE001 - counting is optional
         res["profiler"] = {"error": f"{type(exc).__name__}: {exc}"}
-    if variant == "hocompile":
+    if variant.startswith("hocompile"):
         lowered = opt.history[-1].lowered
         res.update(
             backend=opt.backend,
