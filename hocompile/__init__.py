@@ -39,6 +39,8 @@ def compile_optimizer(
     autotune: bool = False,
     error_budget: float | None = None,
     schedule: tuple[str, ...] | list[str] | str = (),
+    max_batch: int | None = None,
+    max_stack_bytes: int | None = None,
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -73,6 +75,10 @@ def compile_optimizer(
             inputs (default: per input, no worse than eager's own precision).
         schedule: an explicit per-iteration schedule for every Newton–Schulz
             op, e.g. ``"fp8_e4m3*2+bf16*3"`` or a list of format names.
+        max_batch, max_stack_bytes: cap how many same-shaped matrices
+            batch-by-shape stacks into one group (default 64) and the bytes a
+            stack may hold (default: the target's, 256 MiB on CPUs, 4 GiB on
+            GPUs), to bound the step's peak memory.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -94,6 +100,8 @@ def compile_optimizer(
         autotune=autotune,
         error_budget=error_budget,
         schedule=schedule,
+        max_batch=max_batch,
+        max_stack_bytes=max_stack_bytes,
     )
     return CompiledOptimizer(optimizer, settings)
 

@@ -39,6 +39,8 @@ class Settings:
     autotune: bool = False
     error_budget: float | None = None
     schedule: tuple[str, ...] = ()
+    max_batch: int | None = None
+    max_stack_bytes: int | None = None
 
     @staticmethod
     def resolve(
@@ -56,6 +58,8 @@ class Settings:
         autotune: bool = False,
         error_budget: float | None = None,
         schedule: tuple[str, ...] | list[str] | str = (),
+        max_batch: int | None = None,
+        max_stack_bytes: int | None = None,
     ) -> Settings:
         from .passes.choose_algorithm import PRECISIONS
 
@@ -63,6 +67,9 @@ class Settings:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if error_budget is not None and not error_budget > 0:
             raise ValueError(f"error_budget must be a positive max-abs error, got {error_budget!r}")
+        for name, cap in (("max_batch", max_batch), ("max_stack_bytes", max_stack_bytes)):
+            if cap is not None and (not isinstance(cap, int) or cap < 1):
+                raise ValueError(f"{name} must be a positive int, got {cap!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if fallback not in FALLBACKS:
@@ -89,6 +96,8 @@ class Settings:
             autotune=autotune,
             error_budget=error_budget,
             schedule=_schedule(schedule),
+            max_batch=max_batch,
+            max_stack_bytes=max_stack_bytes,
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)

@@ -377,3 +377,16 @@ def test_batched_step_matches_unbatched(cache_dir) -> None:
         assert ("3 batched op(s)" in report) == target.prefers_batched
     for a, b in zip(*runs):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_max_batch_setting_caps_groups() -> None:
+    params = [torch.nn.Parameter(torch.empty(32, 64)) for _ in range(12)]
+    opt = torch.optim.Muon(params, lr=0.02)
+    for p in params:
+        p.grad = torch.empty_like(p)
+        opt.state[p]["momentum_buffer"] = torch.empty_like(p)
+    assert "12 ops in 1 batched op(s)" in hocompile.plan(opt, target="sm90")
+    assert "12 ops in 3 batched op(s)" in hocompile.plan(opt, target="sm90", max_batch=5)  # 5 + 5 + 2
+    assert "12 ops in 2 batched op(s)" in hocompile.plan(opt, target="sm90", max_stack_bytes=6 * 32 * 64 * 4 * 2)
+    with pytest.raises(ValueError, match="max_batch must be a positive int"):
+        hocompile.compile_optimizer(opt, max_batch=0)

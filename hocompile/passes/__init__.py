@@ -25,17 +25,29 @@ def default_pipeline(
     schedule: tuple[str, ...] = (),
     apply_schedules: bool = True,
     kernel_formats: frozenset[str] | None = None,
+    max_batch: int | None = None,
+    max_stack_bytes: int | None = None,
 ) -> tuple[Pass, ...]:
     """``force_batch``: the Triton backend launches per shape group. ``kernel_formats``: the
     formats the lowering has NS kernels for (None: all, the aten path emulates any); a schedule
-    using others is planned and explained, not applied. ``apply_schedules=False`` applies none."""
+    using others is planned and explained, not applied. ``apply_schedules=False`` applies none.
+    ``max_batch``/``max_stack_bytes`` cap batch-by-shape's stacks (default 64 and the target's bytes)."""
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
-        BatchByShape(target=target, force=force_batch),
+        BatchByShape(
+            target=target,
+            force=force_batch,
+            max_batch=max_batch or BatchByShape.max_batch,
+            max_stack_bytes=max_stack_bytes,
+        ),
         ChooseAlgorithm(target=target, precision=precision),
         ChoosePrecision(
-            target=target, precision=precision, error_budget=error_budget, schedule=schedule, apply=apply_schedules,
+            target=target,
+            precision=precision,
+            error_budget=error_budget,
+            schedule=schedule,
+            apply=apply_schedules,
             formats=kernel_formats,
         ),
     )

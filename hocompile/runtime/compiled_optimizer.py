@@ -198,6 +198,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 self._pipeline_cache = default_pipeline(
                     target, settings.precision, force_batch=triton, error_budget=settings.error_budget,
                     schedule=settings.schedule, kernel_formats=_kernel_formats(triton, self._device()),
+                    max_batch=settings.max_batch, max_stack_bytes=settings.max_stack_bytes,
                 )
         return self._pipeline_cache
 

@@ -39,6 +39,8 @@ def plan(optimizer: torch.optim.Optimizer, **settings: Any) -> str:
         error_budget=resolved.error_budget,
         schedule=resolved.schedule,
         kernel_formats=_kernel_formats(triton, device),
+        max_batch=resolved.max_batch,
+        max_stack_bytes=resolved.max_stack_bytes,
     )
     gm, records = run_pipeline(captured.gm, pipeline, resolved.disabled_passes, None)
     lines = [f"plan for {type(optimizer).__name__}.step on {target.describe()}:"]
