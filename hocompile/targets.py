@@ -183,7 +183,12 @@ GPU_FORMATS: dict[str, tuple[str, ...]] = {
     "sm103": _AMPERE + _FP8 + _MXFP8,
 }
 # Nominal CPUs, to plan for one on any machine (target="cpu" measures this one).
-CPU_DESCRIPTORS: dict[str, Target] = {}
+CPU_DESCRIPTORS: dict[str, Target] = {
+    # This project's 2-core AVX2 machines, as measured (no bf16 GEMM in hardware).
+    "cpu-avx2": Target("cpu-avx2", {"fp32": 85.0, "bf16": 1.3, "fp16": 1.4}, symmetric_speedup=1.25),
+    # A Sapphire Rapids-class CPU with AMX-BF16: bf16 GEMMs several times fp32 (nominal figures).
+    "cpu-amx": Target("cpu-amx", {"fp32": 2_000.0, "bf16": 8_000.0, "fp16": 2.0}, symmetric_speedup=1.25),
+}
 
 
 def gpu_target(arch: str) -> Target:
@@ -193,16 +198,6 @@ def gpu_target(arch: str) -> Target:
     # Tens of GiB of device memory: a whole model's group fits one stack
     # (GPT-2's 24 768x3072 matrices: 0.45 GB), which keeps launches per group.
     return Target(arch, dict(GPU_GFLOPS[arch]), prefers_batched=True, stack_bytes=4 * 2**30, formats=GPU_FORMATS[arch])
-
-
-CPU_DESCRIPTORS.update(
-    {
-        # This project's 2-core AVX2 machines, as measured (no bf16 GEMM in hardware).
-        "cpu-avx2": Target("cpu-avx2", {"fp32": 85.0, "bf16": 1.3, "fp16": 1.4}, symmetric_speedup=1.25),
-        # A Sapphire Rapids-class CPU with AMX-BF16: bf16 GEMMs several times fp32 (nominal figures).
-        "cpu-amx": Target("cpu-amx", {"fp32": 2_000.0, "bf16": 8_000.0, "fp16": 2.0}, symmetric_speedup=1.25),
-    }
-)
 
 
 def resolve_target(spec: str | Target | None, cache_dir: Path | None, device: torch.device | None = None) -> Target:

@@ -123,12 +123,15 @@ def plan_schedule(
     calibration = load_calibration()
     steps = len(coefficients)
     eager = (_EAGER_FORMAT.get(eager_dtype, "fp32"),) * steps
-    if error_budget is not None:
-        within = _absolute(calibration, coefficients, algorithm, error_budget)
-        budget = f"absolute {error_budget:.3g}"
-    else:
-        within = _per_case(calibration, coefficients, algorithm, eager)
-        budget = f"no worse than eager {eager[0]} per case"
+    reference = _eager_errors(calibration, coefficients, eager) if error_budget is None else {}
+
+    def within(errors: dict[Any, float]) -> bool:
+        if error_budget is not None:
+            return max(errors.values()) <= error_budget
+        finite = (case for case in reference if math.isfinite(reference[case]))
+        return all(errors[case] <= PLANNING_FACTOR * reference[case] for case in finite)
+
+    budget = f"absolute {error_budget:.3g}" if error_budget is not None else f"no worse than eager {eager[0]} per case"
     allowed = set(target.schedule_formats()) & (GRAM_FORMATS if algorithm == "gram" else set(FORMATS))
     best: tuple[float, float, tuple[str, ...]] | None = None
     for schedule in calibration.schedules(coefficients, algorithm, steps):
@@ -148,20 +151,12 @@ def plan_schedule(
     return SchedulePlan(best[2], best[1], budget, best[0], eager_s, eager)
 
 
-def _absolute(calibration: Any, coefficients: Any, algorithm: str, bound: float) -> Any:
-    return lambda errors: max(errors.values()) <= bound
-
-
-def _per_case(calibration: Any, coefficients: Any, algorithm: str, eager: tuple[str, ...]) -> Any:
-    # Eager always runs standard NS, whatever algorithm is planned here. A bf16
-    # eager is calibrated as the baseline: bf16 NS with eager's bf16 normalisation.
+def _eager_errors(calibration: Any, coefficients: Any, eager: tuple[str, ...]) -> dict[Any, float]:
+    """Eager's own error per calibration case: eager always runs standard NS, whatever is planned
+    here; a bf16 eager is the calibrated baseline (bf16 NS with eager's bf16 normalisation)."""
     if eager[0] == "bf16":
-        reference = calibration._by_case(calibration.find(coefficients, len(eager)).baseline["standard"])
-    else:
-        reference = calibration.errors(coefficients, "standard", eager)
-    return lambda errors: all(
-        errors[case] <= PLANNING_FACTOR * reference[case] for case in reference if math.isfinite(reference[case])
-    )
+        return calibration.baseline_errors(coefficients, "standard", len(eager))  # type: ignore[no-any-return]
+    return calibration.errors(coefficients, "standard", eager)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

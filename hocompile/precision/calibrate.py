@@ -244,7 +244,13 @@ class Calibration:
         self, coefficient_set: str | Sequence[Sequence[float]], algorithm: str, steps: int | None = None
     ) -> float:
         """Worst error of hocompile's bf16 NS (eager's precision): the planner's default budget."""
-        return max(self._by_case(self.find(coefficient_set, steps).baseline[algorithm]).values())
+        return max(self.baseline_errors(coefficient_set, algorithm, steps).values())
+
+    def baseline_errors(
+        self, coefficient_set: str | Sequence[Sequence[float]], algorithm: str, steps: int | None = None
+    ) -> dict[tuple[tuple[int, int], str], float]:
+        """The baseline's error per (shape, spectrum)."""
+        return self._by_case(self.find(coefficient_set, steps).baseline[algorithm])
 
     def schedules(self, coefficient_set: str | Sequence[Sequence[float]], algorithm: str,
                   steps: int | None = None) -> list[Schedule]:

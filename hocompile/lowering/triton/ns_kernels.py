@@ -41,28 +41,31 @@ __all__ = [
 ]
 
 
-class _Temps:
+class Temporaries:
     """Temporaries of one NS, allocated where first needed and reused once dead.
 
     A launch reads its inputs while other programs write its output, so an
-    output never shares a buffer with the launch's inputs (``busy``).
+    output never shares a buffer with the launch's inputs (``busy``). Buffers
+    are reused by shape and dtype (a scheduled NS stores each iteration's
+    iterate in its own format).
     """
 
     def __init__(self, w: CodeWriter, prefix: str, x: str, batch: int, dtype: torch.dtype) -> None:
         self.w, self.prefix, self.x, self.batch, self.dtype = w, prefix, x, batch, dtype
-        self.shapes: dict[str, tuple[int, int]] = {}
+        self.shapes: dict[str, tuple[int, int, torch.dtype]] = {}
 
-    def take(self, rows: int, cols: int, busy: Sequence[str | None]) -> str:
+    def take(self, rows: int, cols: int, dtype: torch.dtype | None = None, *, busy: Sequence[str | None]) -> str:
+        dtype = dtype or self.dtype
         for name, shape in self.shapes.items():
-            if shape == (rows, cols) and name not in busy:
+            if shape == (rows, cols, dtype) and name not in busy:
                 return name
         name = f"{self.prefix}buf{len(self.shapes)}"
-        self.shapes[name] = (rows, cols)
-        self.w.line(f"{name} = torch.empty(({self.batch}, {rows}, {cols}), device={self.x}.device, dtype={self.dtype})")
+        self.shapes[name] = (rows, cols, dtype)
+        self.w.line(f"{name} = torch.empty(({self.batch}, {rows}, {cols}), device={self.x}.device, dtype={dtype})")
         return name
 
 
-class _Kernels:
+class KernelSet:
     """Generates each spec once and remembers the order of first use."""
 
     def __init__(self, origin: str) -> None:
@@ -120,8 +123,8 @@ def emit_newton_schulz(
         raise ValueError(f"algorithm must be 'standard' or 'gram', got {algorithm!r}")
     if not coefficients:
         raise ValueError("Newton–Schulz needs at least one iteration")
-    kernels = _Kernels(origin)
-    temps = _Temps(w, prefix, x, batch, dtype)
+    kernels = KernelSet(origin)
+    temps = Temporaries(w, prefix, x, batch, dtype)
     w.line(
         f"# Newton-Schulz ({algorithm}, {len(coefficients)} iterations) on {x}: {batch} x {m}x{n}, "
         f"{dtype} -> {out_dtype}; partials {partials} [{batch}, {P}]"
@@ -167,8 +170,8 @@ def _coefficient_comment(w: CodeWriter, k: int, a: float, b: float, c: float) ->
 
 def _standard(
     w: CodeWriter,
-    kernels: _Kernels,
-    temps: _Temps,
+    kernels: KernelSet,
+    temps: Temporaries,
     norm: GramSpec,
     *,
     x: str,
@@ -203,8 +206,8 @@ def _standard(
 
 def _gram(
     w: CodeWriter,
-    kernels: _Kernels,
-    temps: _Temps,
+    kernels: KernelSet,
+    temps: Temporaries,
     norm: GramSpec,
     *,
     x: str,

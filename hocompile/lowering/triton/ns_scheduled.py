@@ -43,7 +43,7 @@ from ...precision.emulate import FORMATS
 from .code import SHORT, CodeWriter, KernelSource
 from .fp8_kernels import FP8_ARCHS, FP8_FORMATS, Fp8GemmSpec, amax_tiles, generate_fp8_gemm
 from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, _gram_denominator
-from .ns_kernels import _Kernels
+from .ns_kernels import KernelSet, Temporaries
 
 FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCALE_BLOCK = {"interpret": 256}  # elements per ns_scale program (the interpreter is slow per program)
@@ -136,23 +136,6 @@ def generate_scale(
 # ---------------------------------------------------------------- emitter
 
 
-class _Buffers:
-    """Temporaries by (shape, dtype), reused once dead (a launch never writes a buffer it reads)."""
-
-    def __init__(self, w: CodeWriter, prefix: str, x: str, batch: int) -> None:
-        self.w, self.prefix, self.x, self.batch = w, prefix, x, batch
-        self.shapes: dict[str, tuple[int, int, torch.dtype]] = {}
-
-    def take(self, rows: int, cols: int, dtype: torch.dtype, busy: Sequence[str | None]) -> str:
-        for name, shape in self.shapes.items():
-            if shape == (rows, cols, dtype) and name not in busy:
-                return name
-        name = f"{self.prefix}buf{len(self.shapes)}"
-        self.shapes[name] = (rows, cols, dtype)
-        self.w.line(f"{name} = torch.empty(({self.batch}, {rows}, {cols}), device={self.x}.device, dtype={dtype})")
-        return name
-
-
 def emit_newton_schulz_scheduled(
     w: CodeWriter,
     *,
@@ -191,9 +174,9 @@ def emit_newton_schulz_scheduled(
     for fmt, (_, _, c) in zip(schedule, coefficients):
         if fmt in FP8_FORMATS and float(c) == 0.0:
             raise NotImplementedError(f"{fmt} iterations of cubic coefficients (c = 0) have no kernels")
-    kernels = _Kernels(origin)
+    kernels = KernelSet(origin)
     extra: dict[str, KernelSource] = {}
-    temps = _Buffers(w, prefix, x, batch)
+    temps = Temporaries(w, prefix, x, batch, torch.float32)
     key = "+".join(schedule)
     w.line(
         f"# Newton-Schulz (standard, scheduled {key}) on {x}: {batch} x {m}x{n}, fp32 -> {out_dtype}; "
@@ -274,7 +257,7 @@ def emit_newton_schulz_scheduled(
     return list(extra.values()) + list(kernels.used.values())
 
 
-def _fp8(kernels: _Kernels, spec: Fp8GemmSpec) -> str:
+def _fp8(kernels: KernelSet, spec: Fp8GemmSpec) -> str:
     return kernels._use(spec.name, lambda: generate_fp8_gemm(spec, kernels.origin))
 
 

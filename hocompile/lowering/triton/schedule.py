@@ -4,8 +4,9 @@ A unit is one horizontally fused pointwise group, one Newton–Schulz group,
 or one leftover aten node. Units are ordered so every unit follows the units
 producing its inputs; fusing regions across parameters could in principle
 create a cycle (region A of p0 feeding region B of p1 while B's twin feeds
-A's twin), in which case :func:`schedule` raises and the caller lowers
-without horizontal fusion.
+A's twin), in which case :func:`schedule` raises :class:`ScheduleError` and
+the compile fails with it: no optimizer seen so far does this, and a
+fallback that launches each region alone is not built.
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ class _Emitter:
         rows: list[str] = []
         for region in group.members:
             rows += [self._ptr(n) for n in region.inputs]
-            rows += [self._ptr_out(n) for n in region.outputs]
+            rows += [self._ptr(n) for n in region.outputs]
             if region.feed is not None:
                 ref = region.feed
                 ns = self.ns_groups[ref.group]
@@ -309,13 +309,6 @@ class _Emitter:
         self.launches += 1
         return f"{kernel.name}: {len(group.members)} member(s), 1 launch"
 
-    def _ptr_out(self, node: fx.Node) -> str:
-        expr = self.names.of(node)
-        if expr.endswith("]") and "[" in expr and expr.startswith("buf"):
-            buf, _, index = expr[:-1].partition("[")
-            return f"{buf}[{index}].data_ptr()"
-        return f"{expr}.data_ptr()"
-
     def _emit_ns(self, w: CodeWriter, group: NSGroup) -> str:
         node = group.node
         args: Any = node.args
@@ -324,40 +317,7 @@ class _Emitter:
         eps_expr = f"scal[{self.scalar_index[eps]}]"  # a 0-d view: read on the device, never baked in
         g = group.index
         ns_lines = CodeWriter()
-        schedule = ns_schedule(node)
-        if schedule:
-            from ...precision.calibrate import parse_schedule_key
-
-            kernels = emit_newton_schulz_scheduled(
-                ns_lines,
-                x=f"ws{g}",
-                partials=f"part{g}",
-                P=str(partial_count(group.m * group.n, self.arch)),
-                eps=eps_expr,
-                out=f"nsout{g}",
-                batch=group.batch,
-                m=group.m,
-                n=group.n,
-                coefficients=list(zip(a, b, c)),
-                schedule=parse_schedule_key(schedule),
-                out_dtype=out_dtype,
-                eps_mode=eps_mode,
-                arch=self.arch,
-                origin=f"fuse-newton-schulz/choose-precision node {node.name}",
-                upcast=self.upcast,
-                prefix=f"ns{g}_",
-                algorithm=algorithm,
-            )
-            w.extend(ns_lines)
-            launched = ns_lines.count("launch_") + ns_lines.count(".copy_(")
-            self.launches += launched
-            self.kernels += kernels
-            return (
-                f"newton-schulz group {g}: {group.batch} x {group.m}x{group.n} {algorithm} "
-                f"schedule {schedule}, {launched} launches"
-            )
-        kernels = emit_newton_schulz(
-            ns_lines,
+        common: dict[str, Any] = dict(
             x=f"ws{g}",
             partials=f"part{g}",
             P=str(partial_count(group.m * group.n, self.arch)),
@@ -367,21 +327,31 @@ class _Emitter:
             m=group.m,
             n=group.n,
             coefficients=list(zip(a, b, c)),
-            dtype=compute,
             out_dtype=out_dtype,
             eps_mode=eps_mode,
-            algorithm=algorithm,  # type: ignore[arg-type]
-            restarts=list(restarts),
             arch=self.arch,
-            origin=f"fuse-newton-schulz node {node.name}",  # type: ignore[call-overload]
             upcast=self.upcast,
             prefix=f"ns{g}_",
+            algorithm=algorithm,
         )
+        schedule = ns_schedule(node)
+        if schedule:
+            from ...precision.calibrate import parse_schedule_key
+
+            origin = f"fuse-newton-schulz/choose-precision node {node.name}"
+            kernels = emit_newton_schulz_scheduled(
+                ns_lines, schedule=parse_schedule_key(schedule), origin=origin, **common
+            )
+        else:
+            origin = f"fuse-newton-schulz node {node.name}"
+            kernels = emit_newton_schulz(ns_lines, dtype=compute, restarts=list(restarts), origin=origin, **common)
         w.extend(ns_lines)
-        launched = ns_lines.count("launch_")
+        # A scheduled NS whose last iteration is FP8 ends with one copy_ (the reference's bf16 rounding).
+        launched = ns_lines.count("launch_") + ns_lines.count(".copy_(")
         self.launches += launched
         self.kernels += kernels
-        return f"newton-schulz group {g}: {group.batch} x {group.m}x{group.n} {algorithm}, {launched} launches"
+        plan = f"{algorithm} schedule {schedule}" if schedule else algorithm
+        return f"newton-schulz group {g}: {group.batch} x {group.m}x{group.n} {plan}, {launched} launches"
 
     def _emit_node(self, w: CodeWriter, node: fx.Node) -> str:
         name = node.name
