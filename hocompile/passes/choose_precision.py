@@ -206,7 +206,9 @@ class ChoosePrecision(Pass):
                 raise ValueError(
                     f"schedule has {len(self.schedule)} formats but {node.name} runs {len(coefficients)} iterations"
                 )
-            schedule, note = self.schedule, "explicit schedule"
+            from ..precision.calibrate import schedule_key
+
+            schedule, note = self.schedule, f"explicit schedule {schedule_key(self.schedule)}"
             if algorithm == "gram" and not set(schedule) <= GRAM_FORMATS:
                 # Measured: Gram NS with FP8/half-precision iterations diverges
                 # (NaN after one step of fp8_e4m3*1+fp16*4 without a restart).
