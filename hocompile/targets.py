@@ -13,20 +13,23 @@ Calibrate on an idle machine: under load, multi-threaded GEMMs slow down
 unevenly (measured here: fp32 MKL fell from ~90 to ~2 GFLOP/s while another
 process kept both cores busy). The result is cached as
 ``<cache dir>/target-cpu-*.json`` and shown by explain(); delete the file to
-measure again.
+measure again. A file that does not hold positive finite rates for every
+dtype (corrupt, hand-edited, written by another version) is warned about
+once and measured again: a nonsensical rate would silently skew every plan.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
+import math
 import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .runtime.cache import read_json, write_json
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CALIBRATION_VERSION = 4
@@ -124,13 +127,9 @@ def _measure_symmetric(m: int = 768, n: int = 2048, repeats: int = 5) -> float:
 def cpu_target(cache_dir: Path | None) -> Target:
     """This CPU, calibrated (cached per CPU model, torch version and threads)."""
     path = cache_dir / f"target-cpu-{_cpu_id()}.json" if cache_dir is not None else None
-    if path is not None and path.exists():
-        try:
-            data = json.loads(path.read_text())
-            gflops = {k: float(v) for k, v in data["gflops"].items()}
-            return Target("cpu", gflops, bool(data["prefers_batched"]), symmetric_speedup=float(data["symmetric"]))
-        except (OSError, ValueError, KeyError):
-            pass  # recalibrate below
+    cached = read_json(path, _calibration_from_json) if path is not None else None
+    if cached is not None:
+        return cached
     gflops = {name: _measure(dtype) for name, dtype in _DTYPES.items()}
     symmetric = _measure_symmetric()
     # A CPU never prefers stacks: measured here, a GPT-2 layer's step took
@@ -138,11 +137,30 @@ def cpu_target(cache_dir: Path | None) -> Target:
     # d=1024 matrices raised the step's peak memory from ~130 MB to 708 MB.
     batched = False
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"gflops": gflops, "prefers_batched": batched, "symmetric": symmetric}))
-        os.replace(tmp, path)
+        # Unwritable: warned once inside, and this process keeps measuring per compile.
+        write_json(path, {"gflops": gflops, "prefers_batched": batched, "symmetric": symmetric})
     return Target("cpu", gflops, batched, symmetric_speedup=symmetric)
+
+
+def _calibration_from_json(data: object) -> Target:
+    """The Target a calibration file describes; ValueError unless it has exactly the shape cpu_target writes."""
+    if not isinstance(data, dict) or set(data) != {"gflops", "prefers_batched", "symmetric"}:
+        raise ValueError("expected an object with keys gflops, prefers_batched, symmetric")
+    gflops = data["gflops"]
+    if not isinstance(gflops, dict) or set(gflops) != set(_DTYPES):
+        raise ValueError(f"gflops must map exactly {sorted(_DTYPES)} to rates")
+    if not isinstance(data["prefers_batched"], bool):
+        raise ValueError("prefers_batched must be true or false")
+    rates = {name: _positive_finite(rate, f"gflops.{name}") for name, rate in gflops.items()}
+    symmetric = _positive_finite(data["symmetric"], "symmetric")
+    return Target("cpu", rates, data["prefers_batched"], symmetric_speedup=symmetric)
+
+
+def _positive_finite(value: object, name: str) -> float:
+    # bool is an int; json.loads accepts NaN and Infinity.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} is {value!r}, not a positive finite number")
+    return float(value)
 
 
 # Dense GEMM throughput from the vendors' data sheets, GFLOP/s (SXM parts;

@@ -6,14 +6,16 @@ timed once per candidate tile (tiles.candidates) on inputs of its own shape,
 and the winner is written to ``<cache dir>/autotune-<arch>.json`` by kernel
 name, so later compiles (and other processes) reuse it without timing again.
 A candidate the device cannot run (too much shared memory) is skipped.
+A winners file that is not a map of kernel names to valid tiles is warned
+about once and ignored (kernels are timed again and the file rewritten); an
+unwritable cache directory keeps the winners for this compile only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...runtime.cache import read_json, write_json
 from .code import KernelSource
 from .matmul_kernels import GemmSpec, GramSpec, SymPolySpec, generate_gemm, generate_gram, generate_sym_poly
 from .module import assemble, interpreting, load
@@ -42,15 +45,25 @@ def winners_path(cache_dir: Path, arch: str) -> Path:
 
 
 def load_winners(cache_dir: Path, arch: str) -> dict[str, TileConfig]:
-    path = winners_path(cache_dir, arch)
-    try:
-        data = json.loads(path.read_text())
-        return {name: TileConfig(**tile) for name, tile in data.items()}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning("hocompile: ignoring unreadable autotune file %s (%s)", path, exc)
-        return {}
+    return read_json(winners_path(cache_dir, arch), _winners_from_json) or {}
+
+
+def _winners_from_json(data: object) -> dict[str, TileConfig]:
+    """ValueError unless ``data`` maps kernel names to tiles Triton can compile (power-of-two blocks and warps)."""
+    if not isinstance(data, dict):
+        raise ValueError("expected an object mapping kernel names to tiles")
+    fields = {f.name for f in dataclasses.fields(TileConfig)}
+    winners = {}
+    for name, tile in data.items():
+        if not isinstance(tile, dict) or set(tile) != fields:
+            raise ValueError(f"{name}: expected the keys {sorted(fields)}")
+        for key, value in tile.items():
+            # bool is an int; tl.arange needs power-of-two block sizes, and warps come in powers of two too.
+            power_of_two = key == "num_stages" or (isinstance(value, int) and value & (value - 1) == 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or not power_of_two:
+                raise ValueError(f"{name}: {key}={value!r} is not a valid tile value")
+        winners[name] = TileConfig(**tile)
+    return winners
 
 
 def device_timer(device: torch.device, repeats: int = 5) -> Timer:
@@ -108,10 +121,7 @@ def autotune(
 
 
 def _write(path: Path, winners: dict[str, TileConfig]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({name: tile.as_dict() for name, tile in sorted(winners.items())}, indent=1))
-    os.replace(tmp, path)
+    write_json(path, {name: tile.as_dict() for name, tile in sorted(winners.items())})
 
 
 def _inputs(spec: Any, device: torch.device) -> tuple[list[Any], dict[str, Any]]:

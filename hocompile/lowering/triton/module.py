@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from ...runtime.cache import DiskCache, import_from_path
+from ...runtime.cache import DiskCache, load_generated
 from .code import KernelSource
 
 PRELUDE = [
@@ -40,15 +40,14 @@ def interpreting() -> bool:
 
 
 def load(text: str, cache_dir: Path) -> tuple[ModuleType, bool]:
-    """Write ``text`` to the cache (atomically) and import it from there; (module, found on disk).
+    """Write ``text`` to the cache (atomically) and run it as a module; (module, found on disk).
 
-    Triton reads kernel source with ``inspect``, so kernels must come from a
-    real file; it also decides at definition time whether a kernel is
-    interpreted, so ``TRITON_INTERPRET`` must be set before this is called.
+    Triton reads kernel source with ``inspect``: load_generated registers the
+    text in linecache, so that works even when the cache directory could not
+    be written and the module runs from memory. Triton also decides at
+    definition time whether a kernel is interpreted, so ``TRITON_INTERPRET``
+    must be set before this is called.
     """
     key = hashlib.sha256(text.encode()).hexdigest()
-    cache = DiskCache(Path(cache_dir))
-    cached = cache.read(key)
-    from_disk = cached == text
-    path = cache.path(key) if from_disk else cache.write(key, text)
-    return import_from_path(path, {}), from_disk
+    module, _, from_disk = load_generated(DiskCache(Path(cache_dir)), key, text, {})
+    return module, from_disk
