@@ -301,14 +301,22 @@ FACTORIES = {
 
 @pytest.mark.parametrize("impl", sorted(FACTORIES))
 def test_whole_step_trajectory_at_least_as_accurate_as_eager(impl: str, cache_dir) -> None:
-    """20 steps: compiled stays as close to the exact-NS trajectory as eager's bf16 run (≤ 1.25×)."""
+    """20 steps: compiled stays as close to the exact-NS trajectory as eager's bf16 run (≤ 1.25×).
+
+    The target is pinned to the fp32 plan (a CPU without a bf16 GEMM): with the
+    measured target a CPU with AMX, or a busy one whose timing favours bf16,
+    plans bf16 instead, and two bf16 programs that round differently land
+    anywhere from 0.5x to 2.3x of each other's trajectory error (measured for
+    emerging's Muon over 40 seeds), so one seed passing there is luck. The bf16
+    plans keep the contract per op (test_op_error_vs_fp64_within_eager_budget).
+    """
     shapes = [(16, 8), (8, 8), (8, 24)]
     runs: dict[str, list[torch.Tensor]] = {}
     for name in ("eager", "exact", "compiled"):
         params = make_params(shapes)
         opt: torch.optim.Optimizer = FACTORIES[impl](params)
         if name == "compiled":
-            opt = hocompile.compile_optimizer(opt, cache_dir=cache_dir)
+            opt = hocompile.compile_optimizer(opt, cache_dir=cache_dir, target="cpu-avx2")
         gen = torch.Generator().manual_seed(5)
         with exact_ns(impl) if name == "exact" else contextlib.nullcontext():
             for _ in range(20):
@@ -363,20 +371,34 @@ def test_batching_declines_where_a_loop_is_faster() -> None:
 
 
 def test_batched_step_matches_unbatched(cache_dir) -> None:
-    runs = []
-    for target in (AVX2_LIKE, Target("avx2-batching", dict(AVX2_LIKE.gflops), prefers_batched=True)):
+    """Stacking changes only GEMM shapes (one bmm for a loop of mm), which CPUs may round
+    differently (measured with AMX: 1 of 2,304 elements off by 4.8e-5 relative), so the check
+    is the numerics contract, not equality. Against the exact (fp64 NS) trajectory, each plan
+    stays within 1.25x eager's bf16 error, and the batched plan within 1.25x the unbatched one's:
+    both compute in fp32 on eager's bf16-rounded input, so their error is mostly that shared
+    rounding (~10x below eager's) and agrees to ~1%. Measured: perturbing every batched NS
+    output by 5e-5 relative leaves the ratio at 1.00; dropping an iteration makes it ~250x,
+    swapping two batch elements ~1,400x."""
+    batching = Target("avx2-batching", dict(AVX2_LIKE.gflops), prefers_batched=True)
+    runs: dict[str, list[torch.Tensor]] = {}
+    for name, target in [("eager", None), ("exact", None), ("unbatched", AVX2_LIKE), ("batched", batching)]:
         params = make_params(GPT2_LAYER)
-        opt = hocompile.compile_optimizer(torch.optim.Muon(params, lr=0.02), cache_dir=cache_dir, target=target)
+        opt: torch.optim.Optimizer = torch.optim.Muon(params, lr=0.02)
+        if target is not None:
+            opt = hocompile.compile_optimizer(opt, cache_dir=cache_dir, target=target)
         gen = torch.Generator().manual_seed(3)
-        for _ in range(5):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-        runs.append(params)
-        report = hocompile.explain(opt)
-        assert ("3 batched op(s)" in report) == target.prefers_batched
-    for a, b in zip(*runs):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        with exact_ns("torch") if name == "exact" else contextlib.nullcontext():
+            for _ in range(5):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+        if target is not None:
+            assert ("3 batched op(s)" in hocompile.explain(opt)) == target.prefers_batched
+        runs[name] = params
+    for e, x, a, b in zip(runs["eager"], runs["exact"], runs["unbatched"], runs["batched"]):
+        eager_err, unbatched_err, batched_err = ((r - x).norm().item() for r in (e, a, b))
+        assert max(unbatched_err, batched_err) <= 1.25 * eager_err, (unbatched_err, batched_err, eager_err)
+        assert batched_err <= 1.25 * unbatched_err + 1e-6, (batched_err, unbatched_err)
 
 
 def test_max_batch_setting_caps_groups() -> None:

@@ -20,16 +20,28 @@ After::
 
 ``detach`` and ``alias`` are identities, and so are ``expand``/``view``
 to the shape a value already has, in a no-grad functional graph;
-``lift_fresh_copy`` and ``clone`` are copies, which a functional graph never
-needs unless the copy is an output whose source is also an output or input (two
-state slots must not end up sharing one tensor). A ``_to_copy`` to the dtype
-and layout the value already has is the same kind of copy. Two permutes in a
+``lift_fresh_copy`` and ``clone`` are copies, which a functional graph needs
+only where layout or aliasing can tell: a copy goes only when its result has
+its source's strides (``x.mT.flatten()`` traces as a contiguous ``clone`` +
+``_unsafe_view``, and that view fails on the transposed source) and no output
+or ``_unsafe_view`` is reached through views of it (two state slots must not
+end up sharing one tensor, nor state alias an input). A ``_to_copy`` to the
+dtype the value already has is the same kind of copy. Two permutes in a
 row compose into one (nothing when they cancel): torch.optim.Muon's ``.T``
-dance otherwise hides its Newton–Schulz chain. Then dead code goes.
+dance otherwise hides its Newton–Schulz chain. Every removal keeps each
+value's strides, so the fake tensors in ``meta["val"]`` stay true. Then dead
+code goes.
+
+Kept::
+
+    t1 = aten.permute(t0, [1, 0])
+    t2 = aten.clone(t1, memory_format=contiguous)   # strides differ from t1's
+    t3 = aten._unsafe_view(t2, [15])
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -121,13 +133,66 @@ class Canonicalize(Pass):
             return True
         if node.target in _SAME_SHAPE and isinstance(node.args[0], fx.Node):
             src = node.args[0].meta.get("val")
-            return src is not None and list(src.shape) == list(node.args[1]) and node not in returned  # type: ignore[arg-type]
+            same_shape = src is not None and list(src.shape) == list(node.args[1])  # type: ignore[arg-type]
+            return same_shape and node not in returned and Canonicalize._same_layout(node)
         if node.target in _COPIES:
-            return node not in returned
+            return node not in returned and Canonicalize._layout_and_aliasing_allow(node)
         if node.target is aten._to_copy.default and node not in returned:
             src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
             val = node.meta.get("val")
             same = src is not None and val is not None and src.dtype == val.dtype
             only_dtype = set(node.kwargs) <= {"dtype"}
-            return bool(same and only_dtype)
+            return bool(same and only_dtype) and Canonicalize._layout_and_aliasing_allow(node)
         return False
+
+    @staticmethod
+    def _layout_and_aliasing_allow(copy: fx.Node) -> bool:
+        """May ``copy``'s users read its source instead? Only if nothing can tell the difference."""
+        return Canonicalize._same_layout(copy) and not Canonicalize._needs_fresh_tensor(copy)
+
+    @staticmethod
+    def _same_layout(node: fx.Node) -> bool:
+        """Does ``node``'s value have its source's strides and storage offset?
+
+        A copy is also a layout change when it makes a permuted or expanded
+        value contiguous (``x.mT.flatten()`` traces as ``clone(memory_format=
+        contiguous)`` + ``_unsafe_view``): a view below it then needs that
+        layout, and reading the source instead fails at run time or, through
+        ``as_strided``, reads other elements. The fake tensors from tracing
+        carry eager's strides, and every op this pass removes keeps them.
+        """
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        val = node.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(val, torch.Tensor):
+            return False
+        return src.shape == val.shape and src.stride() == val.stride() and src.storage_offset() == val.storage_offset()
+
+    @staticmethod
+    def _needs_fresh_tensor(copy: fx.Node) -> bool:
+        """Does a reader rely on ``copy`` owning its storage?
+
+        Without the copy, every view of it becomes a view of the source. That
+        is harmless inside the graph (nothing is mutated) but not when such a
+        view is returned (the written-back value would alias an input or another
+        output) or feeds ``_unsafe_view``, whose contract is an unaliased input:
+        its schema claims a fresh tensor, so the write-back scheduler would not
+        see it as a reader of the source.
+        """
+        stack = list(copy.users)
+        while stack:
+            user = stack.pop()
+            if user.op == "output" or user.target is aten._unsafe_view.default:
+                return True
+            if Canonicalize._aliases_input(user):
+                stack += list(user.users)
+        return False
+
+    @staticmethod
+    def _aliases_input(node: fx.Node) -> bool:
+        """Is ``node`` a view (schema says its result aliases an argument), or an item of one?"""
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:  # split/unbind return lists of views
+            return True
+        schema = getattr(node.target, "_schema", None)
+        return schema is not None and any(r.alias_info is not None for r in schema.returns)
