@@ -38,7 +38,8 @@ from .host_scalars import (
     restore_groups,
     swap_in_hyperparams,
 )
-from .scalars import Expr, Guard, ScalarProgram, ScalarTracker, build_scalar_program
+from .host_state import MISSING, Change, HostSlot, HostUpdate, host_updates, needs_lifting
+from .scalars import Expr, Guard, HyperParam, ScalarProgram, ScalarTracker, build_scalar_program, input_expr, sentinel
 
 log = logging.getLogger("hocompile.capture")
 
@@ -68,7 +69,8 @@ class CapturedStep:
     guards: tuple[Guard, ...]
     counters: tuple[CounterRead, ...]
     clears_grads: tuple[tuple[int, int], ...]
-    ignored_side_effects: tuple[str, ...]
+    lifted: tuple[HostSlot, ...]  # Python numbers the step rewrites: host inputs, masked from guards
+    host_updates: tuple[HostUpdate, ...]  # replayed on the host after every step
     trace_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)  # of the graph as captured (passes mutate gm)
@@ -80,7 +82,7 @@ class _TraceResult:
     tracker: ScalarTracker
     assigns: list[InputSlot]
     clears: list[tuple[int, int]]
-    side_effects: list[str]
+    changes: list[Change]
     counters: list[CounterRead]
     matmul_precisions: list[str]
 
@@ -106,10 +108,20 @@ def input_slots(opt: torch.optim.Optimizer) -> list[InputSlot]:
                 for k in sorted(state)
                 if isinstance(state[k], torch.Tensor)
             ]
+    # Tensors held as optimizer attributes (GradScaler's grad_scale and
+    # found_inf on a fused optimizer, a user's lr tensor): inputs too, never
+    # constants baked in at capture.
+    slots += [InputSlot("attr", -1, -1, k) for k in sorted(vars(opt)) if _tensor_attribute(opt, k)]
     return slots
 
 
+def _tensor_attribute(opt: torch.optim.Optimizer, key: str) -> bool:
+    return key != "state" and isinstance(vars(opt)[key], torch.Tensor)
+
+
 def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
+    if slot.kind == "attr":
+        return vars(opt)[slot.key]  # type: ignore[no-any-return]
     p = opt.param_groups[slot.group]["params"][slot.index]
     if slot.kind == "param":
         return p
@@ -119,7 +131,11 @@ def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
 
 
 def _trace(
-    opt: torch.optim.Optimizer, slots: list[InputSlot], structural: frozenset[str], salt: int
+    opt: torch.optim.Optimizer,
+    slots: list[InputSlot],
+    structural: frozenset[str],
+    salt: int,
+    lifted: frozenset[HostSlot] = frozenset(),
 ) -> _TraceResult:
     tracker = ScalarTracker(real={})
     mode = HostScalarMode(tracker, salt)
@@ -127,15 +143,29 @@ def _trace(
     real_inputs = [slot_tensor(opt, s) for s in slots]
     step = unwrapped_step(opt)
 
+    def lift(slot: HostSlot, real: Any, index: int) -> HyperParam:
+        tracker.real[slot.name()] = real
+        return tracker.make(sentinel(float(real), 500 + index, salt), input_expr(slot.name()))
+
     def traced(*flat: torch.Tensor) -> list[torch.Tensor]:
         by_slot = dict(zip(slots, flat))
         groups = opt.param_groups
         saved_state = opt.state
         saved_attrs = dict(vars(opt))
         saved_groups = swap_in_hyperparams(groups, structural, tracker, salt)
+        host_inputs = {slot: lift(slot, slot.read(opt), k) for k, slot in enumerate(sorted(lifted, key=repr))}
+        for host_slot, value in host_inputs.items():
+            if host_slot.kind != "state" and not isinstance(host_slot.read(opt), HyperParam):
+                host_slot.write(opt, value)
+        for input_slot, tensor in by_slot.items():
+            if input_slot.kind == "attr":
+                setattr(opt, input_slot.key, tensor)
         installed = [dict(group) for group in groups]
+        installed_attrs = dict(vars(opt))
         fake_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        installed_state: dict[tuple[int, int], dict[str, Any]] = {}
         fakes: dict[tuple[int, int], torch.Tensor] = {}
+        changes: list[Change] = []
         try:
             for g, group in enumerate(groups):
                 params = list(group["params"])
@@ -147,21 +177,28 @@ def _trace(
                     fp.grad = by_slot[InputSlot("grad", g, i)]
                     params[i] = fp
                     fakes[(g, i)] = fp
-                    fake_state[fp] = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result)
+                    entry = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result)
+                    for key in entry:
+                        if (hs := HostSlot("state", key, g, i)) in host_inputs:
+                            entry[key] = host_inputs[hs]
+                    fake_state[fp] = entry
+                    installed_state[(g, i)] = dict(entry)
                 group["params"] = params
             opt.state = fake_state
             with mode:
                 step(opt)
         finally:
             opt.state = saved_state
-            result["side_effects"] = restore_groups(groups, saved_groups, installed)
-            for key in set(vars(opt)) - set(saved_attrs):
-                delattr(opt, key)
-                result["side_effects"].append(f"optimizer attribute {key!r}")
-            for key, value in saved_attrs.items():
-                if vars(opt).get(key) is not value:
-                    setattr(opt, key, value)
-                    result["side_effects"].append(f"optimizer attribute {key!r}")
+            for g, key, after in restore_groups(groups, saved_groups, installed):
+                changes.append(Change(HostSlot("group", key, g), saved_groups[g].get(key, MISSING), after))
+            for key in sorted((set(vars(opt)) | set(installed_attrs)) - {"state"}):
+                after = vars(opt).get(key, MISSING)
+                if after is not installed_attrs.get(key, MISSING):
+                    changes.append(Change(HostSlot("attr", key), saved_attrs.get(key, MISSING), after))
+                if key not in saved_attrs:
+                    delattr(opt, key)
+                elif after is not saved_attrs[key]:
+                    setattr(opt, key, saved_attrs[key])
         assigns: list[InputSlot] = []
         values: list[torch.Tensor] = []
         clears: list[tuple[int, int]] = []
@@ -169,18 +206,18 @@ def _trace(
             if fp.grad is None:
                 clears.append((g, i))
             before = saved_state.get(opt.param_groups[g]["params"][i], {})
-            for key, value in fake_state[fp].items():
+            ours = installed_state[(g, i)]
+            # in the step's own insertion order: the graph's outputs must not depend on hashing
+            for key in list(fake_state[fp]) + [k for k in ours if k not in fake_state[fp]]:
+                value = fake_state[fp].get(key, MISSING)
                 st = InputSlot("state", g, i, key)
                 if isinstance(value, torch.Tensor):
                     if by_slot.get(st) is not value:
                         assigns.append(st)
                         values.append(value)
-                elif key not in before or before[key] is not value:
-                    raise CaptureError(
-                        f"{st.describe()} is set to a {type(value).__name__} by the step; only tensor "
-                        "state can be compiled (the runtime would not repeat a Python-level update)"
-                    )
-        result.update(assigns=assigns, clears=clears)
+                elif value is not ours.get(key, MISSING):
+                    changes.append(Change(HostSlot("state", key, g, i), before.get(key, MISSING), value))
+        result.update(assigns=assigns, clears=clears, changes=changes)
         return values
 
     try:
@@ -194,11 +231,23 @@ def _trace(
                 " (the step calls torch.compile'd functions, which cannot be traced; heavyball: "
                 "set heavyball.utils.compile_mode = None to trace its plain Python)"
             )
+        elif any(group.get("fused") for group in opt.param_groups):
+            raise CaptureError(
+                f"{type(opt).__name__} uses fused=True: torch's fused kernel cannot be traced here; construct it "
+                "with fused=False, or pass fallback='eager' to keep the fused kernel "
+                f"(tracing failed: {type(exc).__name__}: {str(exc)[:200]})"
+            ) from exc
+        elif lifted and isinstance(exc, TypeError):
+            names = ", ".join(s.describe() for s in sorted(lifted, key=repr))
+            hint = (
+                f" (the step updates {names} itself, so hocompile makes it a host input; a counter that "
+                "is used as an int, e.g. in range() or as an index, cannot be compiled)"
+            )
         raise CaptureError(
             f"tracing {type(opt).__name__}.step failed: {type(exc).__name__}: {exc}{hint}"
         ) from exc
     return _TraceResult(
-        gm, tracker, result["assigns"], result["clears"], result["side_effects"],
+        gm, tracker, result["assigns"], result["clears"], result["changes"],
         result.get("counters", []), sorted(mode.matmul_precisions),
     )
 
@@ -220,7 +269,7 @@ def _fake_entry(
         entry[key] = by_slot[slot]
         if entry[key].dim() == 0:
             name = counter_name(g, i, key)
-            mode.track(entry[key], name, float(real_entry[key].item()), 1000 + len(mode.mirrors))
+            mode.track(entry[key], name, real_entry[key].item(), 1000 + len(mode.mirrors))
             result.setdefault("counters", []).append(CounterRead(name, slot))
     return entry
 
@@ -233,15 +282,24 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
     slots = input_slots(opt)
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")
-    first = _trace(opt, slots, structural, salt=0)
-    second = _trace(opt, slots, structural, salt=1)
+    # Python numbers the step rewrites (``group["step"] += 1``) become host
+    # inputs; each trace can reveal more of them, so trace until none is new.
+    lifted: frozenset[HostSlot] = frozenset()
+    for _ in range(4):
+        first = _trace(opt, slots, structural, 0, lifted)
+        more = needs_lifting(first.changes, lifted)
+        if not more:
+            break
+        lifted |= more
+    else:
+        raise CaptureError("the step keeps rewriting new Python values on every trace; cannot compile it")
+    second = _trace(opt, slots, structural, 1, lifted)
+    updates = host_updates(first.changes, second.changes)
     gm = first.gm
     exprs = _lift_scalars(gm, second.gm, first.tracker, second.tracker)
     outputs = _functional_outputs(gm, slots, first.assigns)
     _finish_placeholders(gm, slots, exprs)
     gm.recompile()
-    for effect in first.side_effects:
-        log.warning("capture: the step changes %s; the compiled step does not repeat that", effect)
     notes = []
     if any(p != "highest" for p in first.matmul_precisions):
         # On CPU aten ignores it (measured: identical fp32 mm results); a GPU
@@ -258,7 +316,8 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
         guards=tuple(dict.fromkeys(first.tracker.guards)),
         counters=tuple(first.counters),
         clears_grads=tuple(first.clears),
-        ignored_side_effects=tuple(first.side_effects),
+        lifted=tuple(sorted(lifted, key=repr)),
+        host_updates=updates,
         trace_seconds=time.perf_counter() - start,
         notes=notes,
         stats=graph_stats(gm),

@@ -40,17 +40,21 @@ _DTYPE_SHORT = {
 class InputSlot:
     """Where a tensor input of the step graph lives in the optimizer."""
 
-    kind: str  # "param" | "grad" | "state"
+    kind: str  # "param" | "grad" | "state" | "attr" (a tensor attribute of the optimizer, by key)
     group: int
     index: int  # position in param_groups[group]["params"]
     key: str = ""  # state key, for kind == "state"
 
     def label(self) -> str:
+        if self.kind == "attr":
+            return f"a_{_ident(self.key)}"
         base = {"param": "p", "grad": "g", "state": "s"}[self.kind]
         suffix = f"_{_ident(self.key)}" if self.key else ""
         return f"{base}{self.group}_{self.index}{suffix}"
 
     def describe(self) -> str:
+        if self.kind == "attr":
+            return f"optimizer attribute {self.key!r}"
         where = f"param_groups[{self.group}]['params'][{self.index}]"
         if self.kind == "param":
             return where

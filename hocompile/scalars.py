@@ -21,12 +21,18 @@ branch recompiles instead of silently running the wrong program.
 
 from __future__ import annotations
 
+import numbers
 import operator
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 Number = Union[int, float]
+
+
+class CaptureError(RuntimeError):
+    """The optimizer step cannot be compiled as it is; the message says why."""
 
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "+": operator.add,
@@ -34,8 +40,22 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "*": operator.mul,
     "/": operator.truediv,
     "**": operator.pow,
+    "//": operator.floordiv,
+    "%": operator.mod,
 }
-_UNARY: dict[str, Callable[[Any], Any]] = {"neg": operator.neg, "pos": operator.pos, "abs": abs}
+
+
+def round_f32(x: Any) -> float:
+    """``x`` rounded to the nearest float32, as a Python float.
+
+    A 0-d float32 counter updated on the device (``mu_product *= mu``) holds
+    ``fl32(a * fl32(b))``; doing the operation in double and rounding once is
+    the same number, since double has more than twice float32's precision.
+    """
+    return float(struct.unpack("f", struct.pack("f", float(x)))[0])
+
+
+_UNARY: dict[str, Callable[[Any], Any]] = {"neg": operator.neg, "pos": operator.pos, "abs": abs, "f32": round_f32}
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
     "!=": operator.ne,
@@ -52,8 +72,10 @@ class Expr:
 
     op: str  # "input", "const", a key of _BINARY or _UNARY
     args: tuple[Expr, ...] = ()
-    name: str = ""  # for "input": e.g. "g0.lr", "state[g0.p1].step"
-    value: float = 0.0  # for "const"
+    name: str = ""  # for "input": e.g. "g0.lr", "g0.p1.state.step"
+    # for "const": an int stays an int, so ``step + 1`` evaluates with Python's
+    # own int semantics (exact, and an int again), as it does in eager
+    value: Number = 0.0
 
     def inputs(self) -> set[str]:
         if self.op == "input":
@@ -63,7 +85,7 @@ class Expr:
             out |= a.inputs()
         return out
 
-    def evaluate(self, env: dict[str, float]) -> float:
+    def evaluate(self, env: dict[str, Any]) -> Any:
         if self.op == "input":
             return env[self.name]
         if self.op == "const":
@@ -84,6 +106,8 @@ class Expr:
             return f"(+{self.args[0].render(names)})"
         if self.op == "abs":
             return f"abs({self.args[0].render(names)})"
+        if self.op == "f32":
+            return f"f32({self.args[0].render(names)})"
         left, right = (a.render(names) for a in self.args)
         return f"({left} {self.op} {right})"
 
@@ -104,7 +128,12 @@ def _balanced(text: str) -> bool:
     return depth == 0
 
 
-def const(value: float) -> Expr:
+def const(value: Number) -> Expr:
+    """A constant; ints stay ints (Python's ``1 - x`` and ``1.0 - x`` agree bit for bit anyway)."""
+    if isinstance(value, bool):
+        return Expr("const", value=int(value))
+    if isinstance(value, int):
+        return Expr("const", value=int(value))
     return Expr("const", value=float(value))
 
 
@@ -121,7 +150,7 @@ class Guard:
     rhs: Expr
     outcome: bool
 
-    def holds(self, env: dict[str, float]) -> bool:
+    def holds(self, env: dict[str, Any]) -> bool:
         return _COMPARE[self.op](self.lhs.evaluate(env), self.rhs.evaluate(env)) == self.outcome
 
     def describe(self) -> str:
@@ -132,7 +161,7 @@ class Guard:
 class ScalarTracker:
     """Collects every HyperParam made during one trace and the guards taken."""
 
-    real: dict[str, float]  # input name -> real value
+    real: dict[str, Any]  # input name -> real value (int, float or a numpy scalar, as the user set it)
     by_payload: dict[float, list[Expr]] = field(default_factory=dict)
     guards: list[Guard] = field(default_factory=list)
 
@@ -141,17 +170,17 @@ class ScalarTracker:
         self.by_payload.setdefault(float(payload), []).append(expr)
         return hp
 
-    def real_value(self, expr: Expr) -> float:
+    def real_value(self, expr: Expr) -> Any:
         return expr.evaluate(self.real)
 
 
 def _as_expr(x: Any) -> Expr | None:
     if isinstance(x, HyperParam):
         return x.expr
-    if isinstance(x, bool):
-        return const(float(x))
     if isinstance(x, (int, float)):
         return const(x)
+    if isinstance(x, numbers.Real):  # numpy scalars: their Python value
+        return const(x.item() if hasattr(x, "item") else float(x))
     return None
 
 
@@ -214,11 +243,32 @@ class HyperParam(float):
     def __rpow__(self, o: Any, mod: Any = None) -> Any:
         return self._binary(o, "**", True)
 
+    def __floordiv__(self, o: Any) -> Any:
+        return self._binary(o, "//", False)
+
+    def __rfloordiv__(self, o: Any) -> Any:
+        return self._binary(o, "//", True)
+
+    def __mod__(self, o: Any) -> Any:
+        return self._binary(o, "%", False)
+
+    def __rmod__(self, o: Any) -> Any:
+        return self._binary(o, "%", True)
+
     def __neg__(self) -> HyperParam:
         return self.tracker.make(-float(self), Expr("neg", (self.expr,)))
 
     def __pos__(self) -> HyperParam:
         return self
+
+    def as_float32(self) -> HyperParam:
+        """This value as a float32 tensor holds it. The payload is not rounded:
+        it must keep its per-trace nudge so the capture can still recognise it."""
+        if self.expr.op == "const" and round_f32(self.expr.value) == self.expr.value:
+            return self  # 1, 0.5: already float32 values
+        if self.expr.op == "f32":
+            return self
+        return self.tracker.make(float(self), Expr("f32", (self.expr,)))
 
     def __abs__(self) -> HyperParam:
         return self.tracker.make(abs(float(self)), Expr("abs", (self.expr,)))
@@ -258,6 +308,29 @@ class HyperParam(float):
     def __hash__(self) -> int:
         return float.__hash__(self)
 
+    # -- conversions to an int would return a plain number computed from the
+    # sentinel payload: a value baked in at capture time. Refuse instead.
+    def _baked(self, what: str) -> CaptureError:
+        return CaptureError(
+            f"the step calls {what} on the host scalar {self.expr.pretty()}; its result would be baked into "
+            "the compiled step as a constant. Keep it a float (or mark the key structural)"
+        )
+
+    def __int__(self) -> int:
+        raise self._baked("int()")
+
+    def __trunc__(self) -> int:
+        raise self._baked("math.trunc()")
+
+    def __floor__(self) -> int:
+        raise self._baked("math.floor()")
+
+    def __ceil__(self) -> int:
+        raise self._baked("math.ceil()")
+
+    def __round__(self, ndigits: Any = None) -> Any:
+        raise self._baked("round()")
+
     def __repr__(self) -> str:
         return f"HyperParam({self.expr.pretty()})"
 
@@ -286,8 +359,12 @@ class ScalarProgram:
     source: str
     fn: Callable[..., tuple[float, ...]]
 
-    def __call__(self, env: dict[str, float]) -> tuple[float, ...]:
-        return self.fn(*(env[n] for n in self.input_names))
+    def __call__(self, env: dict[str, Any]) -> tuple[float, ...]:
+        # Inputs keep their own types (a numpy lr computes in numpy, as in
+        # eager); aten gets Python numbers, which is what eager's numpy
+        # scalars are converted to at the op boundary as well.
+        values = self.fn(*(env[n] for n in self.input_names))
+        return tuple(v if type(v) in (int, float, bool) else float(v) for v in values)
 
 
 def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
@@ -296,6 +373,6 @@ def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
     idents = {n: f"h{i}" for i, n in enumerate(names)}
     body = ", ".join(e.render(idents) for e in exprs)
     source = f"def scalar_program({', '.join(idents.values())}):\n    return ({body}{',' if exprs else ''})\n"
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"f32": round_f32}
     exec(compile(source, "<hocompile scalar program>", "exec"), namespace)
     return ScalarProgram(tuple(names), tuple(exprs), source, namespace["scalar_program"])

@@ -47,10 +47,10 @@ graph step(
   p0_1: f32[4, 4]  # param_groups[0]['params'][1]
   g0_1: f32[4, 4]  # param_groups[0]['params'][1].grad
   s0_1_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  h0: f64 (host) = 1.0 - g0.momentum
+  h0: f64 (host) = 1 - g0.momentum
   h1: f64 (host) = g0.momentum
   h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
   h4: f64 (host) = -(g0.lr * 1.224744871391589)
   h5: f64 (host) = -(g0.lr * 1.0)
 ):
@@ -101,10 +101,10 @@ graph step(
   p0_1: f32[4, 4]  # param_groups[0]['params'][1]
   g0_1: f32[4, 4]  # param_groups[0]['params'][1].grad
   s0_1_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  h0: f64 (host) = 1.0 - g0.momentum
+  h0: f64 (host) = 1 - g0.momentum
   h1: f64 (host) = g0.momentum
   h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
   h4: f64 (host) = -(g0.lr * 1.224744871391589)
   h5: f64 (host) = -(g0.lr * 1.0)
 ):
@@ -133,10 +133,10 @@ graph step(
   p0_1: f32[8, 8]  # param_groups[0]['params'][1]
   g0_1: f32[8, 8]  # param_groups[0]['params'][1].grad
   s0_1_momentum_buffer: f32[8, 8]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  h0: f64 (host) = 1.0 - g0.momentum
+  h0: f64 (host) = 1 - g0.momentum
   h1: f64 (host) = g0.momentum
   h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
   h4: f64 (host) = -(g0.lr * 1.0)
 ):
   t0: f32[8, 32] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
@@ -168,10 +168,10 @@ graph step(
   p0_2: f32[4, 4]  # param_groups[0]['params'][2]
   g0_2: f32[4, 4]  # param_groups[0]['params'][2].grad
   s0_2_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][2]]['momentum_buffer']
-  h0: f64 (host) = 1.0 - g0.momentum
+  h0: f64 (host) = 1 - g0.momentum
   h1: f64 (host) = g0.momentum
   h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
+  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
   h4: f64 (host) = -(g0.lr * 1.4142135623730951)
   h5: f64 (host) = -(g0.lr * 1.0)
 ):
@@ -213,15 +213,15 @@ graph step(
   s0_1_exp_avg: f32[4]  # state[param_groups[0]['params'][1]]['exp_avg']
   s0_1_exp_avg_sq: f32[4]  # state[param_groups[0]['params'][1]]['exp_avg_sq']
   s0_1_step: f32[]  # state[param_groups[0]['params'][1]]['step']
-  h0: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
-  h1: f64 (host) = 1.0 - g0.betas[0]
+  h0: f64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h1: f64 (host) = 1 - g0.betas[0]
   h2: f64 (host) = g0.betas[1]
-  h3: f64 (host) = 1.0 - g0.betas[1]
-  h4: f64 (host) = (1.0 - (g0.betas[1] ** (g0.p0.state.step + 1.0))) ** 0.5
+  h3: f64 (host) = 1 - g0.betas[1]
+  h4: f64 (host) = (1 - (g0.betas[1] ** f32((g0.p0.state.step + 1)))) ** 0.5
   h5: f64 (host) = g0.eps
-  h6: f64 (host) = -(g0.lr / (1.0 - (g0.betas[0] ** (g0.p0.state.step + 1.0))))
-  h7: f64 (host) = (1.0 - (g0.betas[1] ** (g0.p1.state.step + 1.0))) ** 0.5
-  h8: f64 (host) = -(g0.lr / (1.0 - (g0.betas[0] ** (g0.p1.state.step + 1.0))))
+  h6: f64 (host) = -(g0.lr / (1 - (g0.betas[0] ** f32((g0.p0.state.step + 1)))))
+  h7: f64 (host) = (1 - (g0.betas[1] ** f32((g0.p1.state.step + 1)))) ** 0.5
+  h8: f64 (host) = -(g0.lr / (1 - (g0.betas[0] ** f32((g0.p1.state.step + 1)))))
 ):
   t0: f32[] = aten.add.Tensor(s0_0_step, 1)  # capture
   t1: f32[6, 4] = aten.mul.Tensor(p0_0, h0)  # capture
@@ -251,13 +251,13 @@ graph step(
 graph step(
   p0_0: f32[3]  # param_groups[0]['params'][0]
   g0_0: f32[3]  # param_groups[0]['params'][0].grad
-  h0: f64 (host) = 1.0 - (g0.lr * g0.weight_decay)
-  h1: f64 (host) = 1.0 - g0.betas[0]
+  h0: f64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h1: f64 (host) = 1 - g0.betas[0]
   h2: f64 (host) = g0.betas[1]
-  h3: f64 (host) = 1.0 - g0.betas[1]
-  h4: f64 (host) = (1.0 - (g0.betas[1] ** 1.0)) ** 0.5
+  h3: f64 (host) = 1 - g0.betas[1]
+  h4: f64 (host) = (1 - (g0.betas[1] ** 1.0)) ** 0.5
   h5: f64 (host) = g0.eps
-  h6: f64 (host) = -(g0.lr / (1.0 - (g0.betas[0] ** 1.0)))
+  h6: f64 (host) = -(g0.lr / (1 - (g0.betas[0] ** 1.0)))
 ):
   t0: f32[] = constant(0.0)  # capture
   t1: f32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..host_scalars import is_hyperparameter
+from ..host_state import HostSlot
 
 TensorSig = tuple[tuple[int, ...], torch.dtype, str, torch.layout]
 
@@ -61,32 +62,40 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def signature(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Signature:
+# Stands for the value of a Python number the step itself updates: a host input
+# of the compiled step (host_state.py), not part of what selects the program.
+_HOST = ("host",)
+
+
+def signature(
+    opt: torch.optim.Optimizer, structural: frozenset[str], lifted: frozenset[HostSlot] = frozenset()
+) -> Signature:
     attributes = tuple(
-        sorted((k, _freeze(v)) for k, v in vars(opt).items() if not k.startswith("_") and k not in _NOT_OPTIONS)
+        sorted(
+            (k, _HOST if HostSlot("attr", k) in lifted else _freeze(v))
+            for k, v in vars(opt).items()
+            if not k.startswith("_") and k not in _NOT_OPTIONS
+        )
     )
     groups: list[GroupSig] = []
-    for group in opt.param_groups:
+    for g, group in enumerate(opt.param_groups):
         options: list[tuple[str, Any]] = []
         for key, value in group.items():
             if key == "params":
                 continue
-            if is_hyperparameter(key, value, structural):
+            if HostSlot("group", key, g) in lifted:
+                options.append((key, _HOST))
+            elif is_hyperparameter(key, value, structural):
                 options.append((key, ("hyper", len(value) if isinstance(value, (tuple, list)) else 0)))
             else:
                 options.append((key, _freeze(value)))
         params: list[ParamSig] = []
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             grad = p.grad
             state = opt.state.get(p, {})
-            params.append(
-                ParamSig(
-                    id(p),
-                    _tensor_sig(p),
-                    None if grad is None else _tensor_sig(grad),
-                    tuple(sorted((k, _freeze(v)) for k, v in state.items())),
-                )
-            )
+            frozen = ((k, _HOST if HostSlot("state", k, g, i) in lifted else _freeze(v)) for k, v in state.items())
+            grad_sig = None if grad is None else _tensor_sig(grad)
+            params.append(ParamSig(id(p), _tensor_sig(p), grad_sig, tuple(sorted(frozen))))
         groups.append(GroupSig(tuple(sorted(options, key=lambda kv: kv[0])), tuple(params)))
     return Signature(attributes, tuple(groups))
 
@@ -129,6 +138,8 @@ def describe_change(old: Signature, new: Signature) -> str:
 def _show(value: Any) -> str:
     if isinstance(value, tuple) and value[:1] == ("hyper",):
         return "a float hyperparameter"
+    if isinstance(value, tuple) and value == _HOST:
+        return "a number the step updates"
     return repr(value)
 
 

@@ -1,0 +1,257 @@
+"""Host-side values a step reads and updates: step counters, Python state, numpy numbers.
+
+Each of these was silently wrong or crashed before (issue "no silent wrong
+step"); every test compares against eager bit for bit, since capture keeps
+eager's arithmetic (the NS passes are off: ``EXACT``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import hocompile
+
+from .helpers import EXACT, Pair
+
+SHAPES = [(4, 3), (5,), (2, 3, 2)]
+
+FOREACH_FAMILY = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, foreach=True),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, foreach=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, foreach=True),  # also a float32 mu_product counter
+    "nadam-loop": lambda ps: torch.optim.NAdam(ps, lr=1e-2, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOREACH_FAMILY))
+@pytest.mark.parametrize("eager_first", [False, True], ids=["from-step-0", "after-an-eager-step"])
+def test_foreach_step_counters_are_followed(name: str, eager_first: bool, cache_dir) -> None:
+    """``torch._foreach_add_(state_steps, 1)`` advances the counter the bias correction reads."""
+    pair = Pair(FOREACH_FAMILY[name], SHAPES, cache_dir, **EXACT)
+    if eager_first:  # resume from a checkpoint-like state: the counters are not 0
+        pair.step()
+        pair.compiled.optimizer.load_state_dict(copy.deepcopy(pair.eager.state_dict()))
+        for pe, pc in zip(pair.eager_params, pair.compiled_params):
+            pc.copy_(pe)
+    for _ in range(6):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    pair.assert_state_equal()
+
+
+def test_counter_updated_by_an_op_not_followed_is_refused(cache_dir) -> None:
+    class SquaresItsCounter(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if not state:
+                        state["t"] = torch.tensor(2.0)
+                    state["t"].pow_(2)
+                    p.add_(p.grad, alpha=-group["lr"] / state["t"].item())
+
+    pair = Pair(SquaresItsCounter, [(3, 2)], cache_dir)
+    for p in pair.compiled_params:
+        p.grad = torch.ones_like(p)
+    before = [p.clone() for p in pair.compiled_params]
+    with pytest.raises(hocompile.CaptureError, match="after updating it with `pow_`"):
+        pair.compiled.step()
+    torch.testing.assert_close(pair.compiled_params, before, rtol=0, atol=0)
+    assert not pair.compiled.state
+
+
+class GroupCounter(torch.optim.Optimizer):
+    """``group["step"] += 1`` with a Python int, read by a bias correction."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1, beta=0.9, step=0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] += 1
+            correction = 1 - group["beta"] ** group["step"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / correction)
+
+
+class StateCounter(torch.optim.Optimizer):
+    """``state["step"] = state.get("step", 0) + 1`` and a flag set once."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1, beta=0.9))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                if "m" not in state:
+                    state["m"] = torch.zeros_like(p)
+                    state["initialised"] = True
+                state["m"].lerp_(p.grad, 1 - group["beta"])
+                p.add_(state["m"], alpha=-group["lr"] / (1 - group["beta"] ** state["step"]))
+
+
+class AttributeCounter(torch.optim.Optimizer):
+    """Counters kept as optimizer attributes, an int and a float, and a branch every third step."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1, every=3))
+        self.t = 0
+        self.scale = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        self.scale = self.scale * 0.5
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if self.t % group["every"] == 0:
+                    p.mul_(0.5)
+                p.add_(p.grad, alpha=-group["lr"] * self.t * self.scale)
+
+
+@pytest.mark.parametrize("factory", [GroupCounter, StateCounter, AttributeCounter], ids=lambda f: f.__name__)
+def test_python_state_the_step_updates_is_replayed(factory, cache_dir) -> None:
+    pair = Pair(factory, [(4, 3), (2, 5)], cache_dir)
+    for _ in range(8):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    eager, compiled = pair.eager.state_dict(), pair.compiled.state_dict()
+    assert compiled["param_groups"] == eager["param_groups"]
+    for key, values in eager["state"].items():
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                assert compiled["state"][key][name] == value and type(compiled["state"][key][name]) is type(value)
+    for attribute in ("t", "scale"):
+        assert getattr(pair.compiled.optimizer, attribute, None) == getattr(pair.eager, attribute, None)
+    # a branch on the counter is a guard: at most one program per outcome
+    assert len(pair.compiled.counters.recompiles) <= 1
+    assert "replayed on the host after each step" in hocompile.explain(pair.compiled)
+
+
+def test_python_state_that_cannot_be_replayed_is_refused(cache_dir) -> None:
+    class KeepsHistory(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+            self.history: list[int] = []
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            self.history = self.history + [1]
+            for p in self.param_groups[0]["params"]:
+                p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+    class LoopsOverItsCounter(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+            self.k = 0
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            self.k += 1
+            for p in self.param_groups[0]["params"]:
+                for _ in range(min(self.k, 3)):
+                    p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+    for factory, message in [(KeepsHistory, "sets optimizer attribute 'history' to a list"),
+                             (LoopsOverItsCounter, "used as an int")]:
+        pair = Pair(factory, [(3, 2)], cache_dir)
+        for p in pair.compiled_params:
+            p.grad = torch.ones_like(p)
+        before = [p.clone() for p in pair.compiled_params]
+        with pytest.raises(hocompile.CaptureError, match=message):
+            pair.compiled.step()
+        torch.testing.assert_close(pair.compiled_params, before, rtol=0, atol=0)
+        untouched = vars(pair.compiled.optimizer)
+        assert untouched.get("k", 0) == 0 and untouched.get("history") in (None, [])
+        # and with fallback="eager" the same optimizer steps like eager
+        pair = Pair(factory, [(3, 2)], cache_dir, fallback="eager")
+        for _ in range(4):
+            pair.step()
+        assert pair.max_rel_diff() == 0.0
+
+
+def test_numpy_hyperparameters_are_numbers(cache_dir) -> None:
+    """np.float32 lr / weight decay: no recompiles, eager's own (numpy) host arithmetic."""
+    pair = Pair(lambda ps: torch.optim.AdamW(ps, lr=np.float32(1e-2), weight_decay=np.float32(0.1)), SHAPES, cache_dir)
+    for step in range(8):
+        for opt in (pair.eager, pair.compiled):
+            opt.param_groups[0]["lr"] = np.float32(1e-2 * 0.9**step)
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.recompiles == []
+    assert "g0.lr" in hocompile.explain(pair.compiled)
+
+
+def test_all_grads_none_does_what_eager_does(cache_dir) -> None:
+    pair = Pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), SHAPES, cache_dir)
+    before = [p.clone() for p in pair.compiled_params]
+    pair.compiled.step()  # no grads at all: nothing to do, no error
+    torch.testing.assert_close(pair.compiled_params, before, rtol=0, atol=0)
+    assert pair.compiled.counters.compiles == 0
+    counter = Pair(GroupCounter, [(3, 2)], cache_dir)
+    counter.eager.step()
+    counter.compiled.step()  # a custom step may still tick its counter: eager's step runs
+    assert counter.compiled.param_groups[0]["step"] == counter.eager.param_groups[0]["step"] == 1
+
+
+def test_hooks_run_in_eager_order(cache_dir) -> None:
+    orders: list[list[str]] = []
+    for compiled in (False, True):
+        order: list[str] = []
+        params = [torch.randn(3, 2)]
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1)
+        if compiled:
+            opt = hocompile.compile_optimizer(opt, cache_dir=cache_dir)
+        opt.register_step_pre_hook(lambda o, a, k, order=order: order.append("pre"))
+        opt.register_step_post_hook(lambda o, a, k, order=order: order.append("post"))
+
+        def closure(order=order, params=params):
+            order.append("closure")
+            params[0].grad = torch.ones_like(params[0])
+            return 1.0
+
+        assert opt.step(closure) == 1.0
+        orders.append(order)
+    assert orders[0] == orders[1] == ["pre", "closure", "post"]
+
+
+def test_steady_state_after_an_eager_fallback_step_is_not_a_recompile(cache_dir) -> None:
+    class DataDependentInit(torch.optim.Optimizer):
+        """Its first step reads a tensor on the host (cannot be compiled); later steps can."""
+
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                state = self.state[p]
+                if not state:
+                    state["scale"] = torch.full_like(p, 1.0 / (1.0 + p.grad.abs().max().item()))
+                p.add_(p.grad * state["scale"], alpha=-self.param_groups[0]["lr"])
+
+    pair = Pair(DataDependentInit, [(3, 2)], cache_dir, fallback="eager")
+    for _ in range(4):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.eager_fallbacks == 1
+    assert pair.compiled.counters.recompiles == []
