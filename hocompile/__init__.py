@@ -15,8 +15,10 @@ import torch
 from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
 from .runtime.cache import CacheWarning
+from .runtime.compiled_optimizer import RecompileLimitWarning
 from .runtime.explain import explain
 from .runtime.plan import plan
+from .runtime.verify import VerificationError
 from .settings import Settings
 from .targets import Target
 
@@ -41,6 +43,8 @@ def compile_optimizer(
     schedule: tuple[str, ...] | list[str] | str = (),
     max_batch: int | None = None,
     max_stack_bytes: int | None = None,
+    verify: bool | int | None = None,
+    recompile_limit: int = 8,
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -79,6 +83,21 @@ def compile_optimizer(
             batch-by-shape stacks into one group (default 64) and the bytes a
             stack may hold (default: the target's, 256 MiB on CPUs, 4 GiB on
             GPUs), to bound the step's peak memory.
+        verify: check each new compiled step against the eager step for its
+            first N steps (``True``: 3; default: ``HOCOMPILE_VERIFY``, else
+            off): eager runs on copies of params, grads and state, and every
+            tensor must match bitwise where the compiled plan keeps eager's
+            arithmetic, and stay within the Newton–Schulz error budget where
+            it does not (see hocompile/runtime/verify.py). A mismatch raises
+            :class:`VerificationError` naming the parameter, tensor, size of
+            the difference and bound, with the optimizer holding eager's
+            result for that step; with ``fallback="eager"`` it logs a warning
+            and runs that compiled step's signature eagerly from then on.
+            Later steps cost nothing extra.
+        recompile_limit: how many recompiles one optimizer may make (a
+            positive int, default 8, like torch.compile's). Past it a
+            ``RecompileLimitWarning`` is issued once and every new
+            configuration runs the eager step (explain() lists the reasons).
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -102,6 +121,8 @@ def compile_optimizer(
         schedule=schedule,
         max_batch=max_batch,
         max_stack_bytes=max_stack_bytes,
+        verify=verify,
+        recompile_limit=recompile_limit,
     )
     return CompiledOptimizer(optimizer, settings)
 
@@ -110,9 +131,11 @@ __all__ = [
     "CacheWarning",
     "CaptureError",
     "CompiledOptimizer",
+    "RecompileLimitWarning",
     "Settings",
     "Target",
     "UnsupportedParameterError",
+    "VerificationError",
     "compile_optimizer",
     "explain",
     "plan",

@@ -7,6 +7,10 @@
 - ``HOCOMPILE_CACHE_DIR``: where generated modules live (default
   ``~/.cache/hocompile``).
 - ``HOCOMPILE_DISABLE_PASSES``: comma-separated pass names to skip.
+- ``HOCOMPILE_VERIFY``: check each new compiled step against eager for its
+  first steps (hocompile/runtime/verify.py): ``1``/``true``/``on`` for the
+  default number (3), another integer N for N steps, ``0``/``false``/``off``
+  (or unset) for none.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from .runtime.cache import default_cache_dir
 from .targets import Target
 
 FALLBACKS = ("error", "eager")
+DEFAULT_VERIFY_STEPS = 3
+_VERIFY_ON = ("1", "true", "yes", "on")
+_VERIFY_OFF = ("", "0", "false", "no", "off")
 BACKENDS = ("auto", "aten", "triton")
 
 
@@ -41,6 +48,8 @@ class Settings:
     schedule: tuple[str, ...] = ()
     max_batch: int | None = None
     max_stack_bytes: int | None = None
+    verify: int = 0  # steps checked against eager after each compile (runtime/verify.py)
+    recompile_limit: int = 8
 
     @staticmethod
     def resolve(
@@ -60,6 +69,8 @@ class Settings:
         schedule: tuple[str, ...] | list[str] | str = (),
         max_batch: int | None = None,
         max_stack_bytes: int | None = None,
+        verify: bool | int | None = None,
+        recompile_limit: int = 8,
     ) -> Settings:
         from .passes.choose_algorithm import PRECISIONS
 
@@ -70,6 +81,8 @@ class Settings:
         for name, cap in (("max_batch", max_batch), ("max_stack_bytes", max_stack_bytes)):
             if cap is not None and (not isinstance(cap, int) or cap < 1):
                 raise ValueError(f"{name} must be a positive int, got {cap!r}")
+        if isinstance(recompile_limit, bool) or not isinstance(recompile_limit, int) or recompile_limit < 1:
+            raise ValueError(f"recompile_limit must be a positive int, got {recompile_limit!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if fallback not in FALLBACKS:
@@ -98,10 +111,30 @@ class Settings:
             schedule=_schedule(schedule),
             max_batch=max_batch,
             max_stack_bytes=max_stack_bytes,
+            verify=_verify_steps(verify),
+            recompile_limit=recompile_limit,
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)
         return settings
+
+
+def _verify_steps(verify: bool | int | None) -> int:
+    """``verify=`` (or ``HOCOMPILE_VERIFY`` when it is None) as a number of steps; True: the default."""
+    if verify is None:
+        env = os.environ.get("HOCOMPILE_VERIFY", "").strip().lower()
+        if env in _VERIFY_ON:
+            return DEFAULT_VERIFY_STEPS
+        if env in _VERIFY_OFF:
+            return 0
+        if not env.isdigit():
+            raise ValueError(f"HOCOMPILE_VERIFY must be 1/true/on, 0/false/off or a number of steps, got {env!r}")
+        return int(env)
+    if isinstance(verify, bool):
+        return DEFAULT_VERIFY_STEPS if verify else 0
+    if not isinstance(verify, int) or verify < 0:
+        raise ValueError(f"verify must be True, False or a number of steps >= 0, got {verify!r}")
+    return verify
 
 
 def _schedule(schedule: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:

@@ -140,8 +140,8 @@ def test_explain_report(cache_dir) -> None:
         "counters: compiles 2, recompiles 0, cache hits 1",
         "compiled step #1 (first step)",
         "compiled step #2 (steady state: the previous step created the optimizer state)",
-        "h0 = 1.0 - (g0.lr * g0.weight_decay)",
-        "(g0.weight_decay != 0.0) is True",
+        "h0 = 1 - (g0.lr * g0.weight_decay)",
+        "(g0.weight_decay != 0) is True",
         "canonicalize",
         "cache key:",
     ]:

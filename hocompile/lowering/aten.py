@@ -70,7 +70,10 @@ def lower_to_aten(
     body = f"{header}\n{code.src}"
     # An entry that differs from ``body`` (corrupt, stale, or code that would
     # not import) is rewritten; the module run is always ``body`` itself.
-    module, path, from_disk = load_generated(cache, key, body, dict(code.globals))
+    # Two graphs that print alike can still name their nodes differently: the
+    # file is named by the code itself too, so they never overwrite each other.
+    entry_key = hashlib.sha256(f"{key}\n{code.src}".encode()).hexdigest()
+    module, path, from_disk = load_generated(cache, entry_key, body, dict(code.globals))
     forward = module.forward
 
     def run(args: list[Any]) -> tuple[torch.Tensor, ...]:

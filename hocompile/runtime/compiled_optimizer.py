@@ -18,7 +18,9 @@ were.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
@@ -29,14 +31,16 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ..capture import CapturedStep, capture, slot_tensor, unwrapped_step
 from ..graph import decisions, graph_stats, print_graph
-from ..host_scalars import CaptureError
+from ..host_scalars import CaptureError, is_float
+from ..host_state import HostSlot
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
 from ..settings import Settings
 from ..targets import resolve_target
 from .cache import DiskCache
 from .guards import Signature, describe_change, signature
-from .validate import validate
+from .validate import UnsupportedParameterError, validate
+from .verify import Verification, run_step
 
 
 def _kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None:
@@ -49,6 +53,16 @@ def _kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None
     return schedule_formats(device_arch(device))
 
 log = logging.getLogger("hocompile")
+
+_COMPILE_LOCK = threading.RLock()
+
+
+# Attributes GradScaler sets on an optimizer whose step supports AMP scaling.
+_FORWARDED = frozenset({"grad_scale", "found_inf"})
+
+
+class RecompileLimitWarning(UserWarning):
+    """An optimizer recompiled ``recompile_limit`` times; new configurations run eagerly."""
 
 
 _COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles")
@@ -101,6 +115,7 @@ class CompiledEntry:
     fallback: str = ""  # non-empty: this signature runs eagerly, and why
     decisions: list[str] = field(default_factory=list)  # per-op plans, for explain()
     final_stats: dict[str, int] = field(default_factory=dict)
+    verification: Verification = field(default_factory=Verification)  # verify=N: steps checked against eager
 
 
 class CompiledOptimizer(torch.optim.Optimizer):
@@ -128,6 +143,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self.history: list[CompiledEntry] = []
         self.counters = Counters()
         self.steps = 0
+        # Python numbers the step rewrites (host_state.py): host inputs of the
+        # compiled steps, so their values are left out of the guard signature.
+        self._lifted: frozenset[HostSlot] = frozenset()
+        self._warned_limit = False
         # Set when a step created optimizer state (eager's lazy first-step
         # init): the next step needs the steady-state graph, which is expected
         # and not counted as a recompile.
@@ -168,6 +187,29 @@ class CompiledOptimizer(torch.optim.Optimizer):
         if name == "_inner":
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # GradScaler hands a fused optimizer its scale and inf flag as
+        # attributes; the wrapped step is what reads them (as graph inputs).
+        if name in _FORWARDED:
+            setattr(self._inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _FORWARDED:
+            delattr(self._inner, name)
+        else:
+            object.__delattr__(self, name)
+
+    # copy.deepcopy, pickle and torch.save: the wrapped optimizer (params and
+    # state) and the settings travel; compiled steps are rebuilt (or found in
+    # the disk cache) on the copy's first step.
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"optimizer": self._inner, "settings": self._settings, "pipeline": self._pipeline_override}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        CompiledOptimizer.__init__(self, state["optimizer"], state["settings"], state["pipeline"])
 
     def __repr__(self) -> str:
         return f"CompiledOptimizer({self._inner!r})"
@@ -229,18 +271,27 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return list(seen.values())
 
     # -- stepping ----------------------------------------------------------
+    @torch.compiler.disable(recursive=True)
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        args: tuple[Any, ...] = (self,)
+        # Opaque to Dynamo: inside a torch.compile'd training step this runs as
+        # one call (a graph break), the way an eager optimizer's fused kernel would.
+        # Eager's order: pre-hooks, then the step (which calls the closure), then post-hooks.
+        args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
         hooks = chain(_global_optimizer_pre_hooks.values(), self._inner._optimizer_step_pre_hooks.values())
         for pre_hook in hooks:
             result = pre_hook(self, args, kwargs)
             if result is not None:
-                raise RuntimeError("hocompile: step pre-hooks that replace the step's arguments are not supported")
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"{pre_hook} must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                    )
+                args, kwargs = result
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         with torch.no_grad():
             self._step()
         for post_hook in chain(self._inner._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
@@ -248,8 +299,13 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        if not any(p.grad is not None for g in self._inner.param_groups for p in g["params"]):
+            # Nothing to compile: the eager step is what eager does here (for
+            # torch.optim, nothing; a custom step may still tick a counter).
+            unwrapped_step(self._inner)(self._inner)
+            return
         structural = self._settings.structural_keys
-        sig = signature(self._inner, structural)
+        sig = signature(self._inner, structural, self._lifted)
         candidates = self._entries.get(sig, [])
         env: dict[str, float] | None = None
         entry: CompiledEntry | None = None
@@ -272,29 +328,40 @@ class CompiledOptimizer(torch.optim.Optimizer):
             if expected:
                 reason = "steady state: the previous step created the optimizer state"
             entry = self._compile(sig, reason, expected)
+            sig = signature(self._inner, structural, self._lifted)
             env = None
         else:
             self.counters.cache_hits += 1
         self._last_signature = sig
         self._created_state = False
         self.steps += 1
-        if entry.captured is None:
+        if entry.captured is None or entry.fallback:
             self.counters.eager_fallbacks += 1
+            keys_before = self._state_keys()
             unwrapped_step(self._inner)(self._inner)
+            # An eager step that created state makes the next compile the
+            # expected steady-state one, exactly as a compiled first step does.
+            self._created_state = self._state_keys() != keys_before
             return
-        self._run(entry, env)
+        run_step(self, entry, env)  # self._run, checked against eager for the first `verify` steps
 
-    def _host_env(self, captured: CapturedStep) -> dict[str, float]:
-        env: dict[str, float] = {}
+    def _state_keys(self) -> list[tuple[str, ...]]:
+        return [tuple(self._inner.state.get(p, ())) for g in self._inner.param_groups for p in g["params"]]
+
+    def _host_env(self, captured: CapturedStep) -> dict[str, Any]:
+        """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
+        env: dict[str, Any] = {}
         for g, group in enumerate(self._inner.param_groups):
             for key, value in group.items():
-                if isinstance(value, float):
+                if is_float(value):
                     env[f"g{g}.{key}"] = value
-                elif isinstance(value, (tuple, list)) and value and isinstance(value[0], float):
+                elif isinstance(value, (tuple, list)) and value and is_float(value[0]):
                     for i, v in enumerate(value):
-                        env[f"g{g}.{key}[{i}]"] = float(v)
+                        env[f"g{g}.{key}[{i}]"] = v
         for counter in captured.counters:
-            env[counter.name] = float(slot_tensor(self._inner, counter.slot).item())
+            env[counter.name] = slot_tensor(self._inner, counter.slot).item()
+        for slot in captured.lifted:
+            env[slot.name()] = slot.read(self._inner)
         return env
 
     def _run(self, entry: CompiledEntry, env: dict[str, float] | None) -> None:
@@ -304,6 +371,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
             env = self._host_env(captured)
         opt = self._inner
         tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
+        # Evaluated before anything runs: an error here leaves everything as it was.
+        host_values = [(u.slot, u.value(env)) for u in captured.host_updates]
         outputs = lowered.run(tensors + list(captured.scalars(env)))
         # The generated code wrote most results in place already (writeback.py);
         # the rest (newly created state, views) is installed here.
@@ -317,9 +386,58 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._created_state = any(a.mode == "assign" for a in captured.outputs)
         for g, i in captured.clears_grads:
             opt.param_groups[g]["params"][i].grad = None
+        for host_slot, value in host_values:
+            host_slot.write(opt, value)
 
     def _compile(self, sig: Signature, reason: str, expected: bool = False) -> CompiledEntry:
-        validate(self._inner)
+        try:
+            validate(self._inner)
+        except CaptureError as exc:  # a configuration we cannot trace (fused=True, LBFGS...)
+            return self._eager_entry(sig, reason, expected, exc)
+        limit = self._settings.recompile_limit
+        if self.counters.compiles and not expected and len(self.counters.recompiles) >= limit:
+            return self._over_limit(sig, reason, limit)
+        # make_fx keeps global state (its patcher) and target calibration times
+        # the machine: one compile at a time per process.
+        with _COMPILE_LOCK:
+            try:
+                return self._compile_locked(sig, reason, expected)
+            except (CaptureError, UnsupportedParameterError):
+                raise
+            except Exception as exc:
+                if self._settings.fallback != "eager":
+                    raise
+                # A bug of ours, not the user's: say so, loudly, and stay correct.
+                message = f"internal error while compiling: {type(exc).__name__}: {exc}"
+                log.warning("hocompile: running %s eagerly after an %s", type(self._inner).__name__, message)
+                entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, message)
+                return self._remember(sig, entry, expected)
+
+    def _eager_entry(self, sig: Signature, reason: str, expected: bool, exc: CaptureError) -> CompiledEntry:
+        """``fallback="eager"``: this configuration runs the eager step; otherwise the error stands."""
+        if self._settings.fallback != "eager":
+            raise exc
+        log.warning("hocompile: running %s eagerly: %s", type(self._inner).__name__, exc)
+        entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, str(exc))
+        return self._remember(sig, entry, expected)
+
+    def _over_limit(self, sig: Signature, reason: str, limit: int) -> CompiledEntry:
+        """Like torch.compile's recompile_limit: past it, new configurations run eagerly."""
+        message = (
+            f"recompile limit ({limit}) reached; this configuration runs eagerly. Last change: {reason}. "
+            "Recompiles usually mean a value that changes every step is part of the program: see "
+            "explain(opt) for the reasons, or raise compile_optimizer(..., recompile_limit=)"
+        )
+        if not self._warned_limit:
+            warnings.warn(f"hocompile: {type(self._inner).__name__}: {message}", RecompileLimitWarning, stacklevel=4)
+            self._warned_limit = True
+        log.warning("hocompile: %s", message)
+        entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, message)
+        self._entries.setdefault(sig, []).append(entry)
+        self.history.append(entry)
+        return entry
+
+    def _compile_locked(self, sig: Signature, reason: str, expected: bool) -> CompiledEntry:
         start = time.perf_counter()
         n_params = sum(1 for g in self._inner.param_groups for p in g["params"] if p.grad is not None)
         name = type(self._inner).__name__
@@ -327,11 +445,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         try:
             captured = capture(self._inner, self._settings.structural_keys)
         except CaptureError as exc:
-            if self._settings.fallback != "eager":
-                raise
-            log.warning("hocompile: running %s eagerly: %s", type(self._inner).__name__, exc)
-            entry = CompiledEntry(None, None, [], "", time.perf_counter() - start, 0.0, 0.0, reason, str(exc))
-            return self._remember(sig, entry, expected)
+            return self._eager_entry(sig, reason, expected, exc)
         gm = captured.gm
         dump = self._settings.dump_dir
         dump_here = dump / f"compile-{self.counters.compiles + 1:03d}" if dump is not None else None
@@ -339,7 +453,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
         gm, records = run_pipeline(gm, self.pipeline, self._settings.disabled_passes, dump_here)
         pass_seconds = time.perf_counter() - pass_start
         identity = ";".join(p.identity() for p in self.pipeline if p.name not in self._settings.disabled_passes)
-        key = cache_key(gm, f"{identity};backend={self.backend}")
+        # The statuses are printed in the module's header: the key must cover them.
+        statuses = ",".join(f"{r.name}:{r.status}" for r in records)
+        key = cache_key(gm, f"{identity};backend={self.backend};{statuses}")
         final = print_graph(gm)
         plans, final_stats = decisions(gm), graph_stats(gm)
         lower_start = time.perf_counter()
@@ -400,6 +516,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
             self.counters.recompiles.append(entry.reason)
             log.info("hocompile: recompiling %s: %s", type(self._inner).__name__, entry.reason)
         self.counters.compiles += 1
+        if entry.captured is not None and not self._lifted.issuperset(entry.captured.lifted):
+            # The step rewrites Python numbers it had not been seen to: from now
+            # on they are host inputs, and the signature leaves their values out.
+            self._lifted |= frozenset(entry.captured.lifted)
+            sig = signature(self._inner, self._settings.structural_keys, self._lifted)
         self._entries.setdefault(sig, []).append(entry)
         self.history.append(entry)
         return entry

@@ -40,6 +40,8 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
         f"  captured: {stats['tensor inputs']} tensor inputs, {stats['host scalars']} host scalars, "
         f"{stats['ops']} ops ({stats['matmuls']} matmuls), {len(cap.outputs)} outputs written back",
     ]
+    if entry.verification.steps:  # verify=N (runtime/verify.py)
+        lines.append(f"  {entry.verification.describe()}" + ("; runs eagerly from then on" if entry.fallback else ""))
     final = entry.final_stats
     if final:
         lines.append(
@@ -55,8 +57,9 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
         lines += [f"    {g.describe()}" for g in cap.guards]
     for note in cap.notes:
         lines.append(f"  note: {note}")
-    if cap.ignored_side_effects:
-        lines.append("  python side effects of the eager step not repeated: " + ", ".join(cap.ignored_side_effects))
+    if cap.host_updates:
+        lines.append("  python state the step updates (replayed on the host after each step):")
+        lines += [f"    {u.describe()}" for u in cap.host_updates]
     lines.append("  passes:")
     width = max((len(r.name) for r in entry.passes), default=0)
     for r in entry.passes:

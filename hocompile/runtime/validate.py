@@ -6,7 +6,11 @@ and optimizer state exactly as they were.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+
+from ..host_scalars import CaptureError
 
 
 class UnsupportedParameterError(ValueError):
@@ -25,7 +29,26 @@ def _needs_matrices(opt: torch.optim.Optimizer) -> tuple[bool, bool]:
     return False, False
 
 
+def _refuse_optimizer(opt: torch.optim.Optimizer) -> None:
+    """Optimizer configurations whose step cannot be traced, refused by name."""
+    kind = type(opt).__name__
+    step = type(opt).step
+    step = getattr(step, "__wrapped__", step)
+    closure = inspect.signature(step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise CaptureError(
+            f"{kind}.step requires a closure: it re-evaluates the loss inside the step (LBFGS's line "
+            "search and inner iterations), which a compiled step cannot replay; run it eagerly"
+        )
+    if isinstance(opt, torch.optim.SparseAdam):
+        raise CaptureError(
+            "SparseAdam steps sparse gradients, which hocompile does not compile "
+            "(use Adam or AdamW on dense gradients, or run SparseAdam eagerly)"
+        )
+
+
 def validate(opt: torch.optim.Optimizer) -> None:
+    _refuse_optimizer(opt)
     matrices, exactly_2d = _needs_matrices(opt)
     kind = type(opt).__name__
     device: tuple[torch.device, str] | None = None

@@ -1,0 +1,209 @@
+"""The drop-in contract under real use: AMP, threads, torch.compile, copies, recompile storms, our own bugs."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+
+import hocompile
+from hocompile.passes.base import Pass, PassResult
+from hocompile.runtime.compiled_optimizer import RecompileLimitWarning
+
+from .helpers import EXACT, Pair, make_params
+
+SHAPES = [(4, 3), (6, 2)]
+FUSED = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+}
+
+
+def _scaled_steps(pair: Pair, steps: int = 5) -> None:
+    """GradScaler drives both optimizers; one step has an inf grad (skipped by the fused kernel)."""
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    gen = torch.Generator().manual_seed(2)
+    for step in range(steps):
+        for pe, pc in zip(pair.eager_params, pair.compiled_params):
+            g = torch.randn(pe.shape, generator=gen) * 1024
+            if step == 2:
+                g.view(-1)[0] = float("inf")
+            pe.grad, pc.grad = g.clone(), g.clone()
+        for scaler, opt in zip(scalers, (pair.eager, pair.compiled)):
+            scaler.scale(torch.ones(()))  # what scaler.scale(loss) does first: create the scale
+            scaler.step(opt)
+            scaler.update()
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_grad_scaler_with_a_fused_optimizer_matches_eager(name: str, cache_dir) -> None:
+    pair = Pair(FUSED[name], SHAPES, cache_dir, fallback="eager")
+    _scaled_steps(pair)
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.eager_fallbacks == 5
+    assert "fused=False" in hocompile.explain(pair.compiled)
+    # without a fallback the refusal is clear and leaves the params alone
+    pair = Pair(FUSED[name], SHAPES, cache_dir)
+    before = [p.clone() for p in pair.compiled_params]
+    with pytest.raises(hocompile.CaptureError, match="fused=True"):
+        _scaled_steps(pair, steps=1)
+    torch.testing.assert_close(pair.compiled_params, before, rtol=0, atol=0)
+
+
+def test_tensor_attributes_are_inputs_not_constants(cache_dir) -> None:
+    """A tensor the optimizer holds as an attribute (and replaces) is read fresh every step."""
+
+    class ScaledSGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+            self.scale = torch.tensor(1.0)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.add_(p.grad * self.scale, alpha=-self.param_groups[0]["lr"])
+
+    pair = Pair(ScaledSGD, SHAPES, cache_dir, **EXACT)
+    for step in range(4):
+        for opt in (pair.eager, pair.compiled.optimizer):
+            opt.scale = torch.tensor(0.5**step)
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+
+
+def test_threads_compiling_at_once_match_eager(cache_dir) -> None:
+    """make_fx keeps global state: four threads compiling the same optimizer must not trip on each other."""
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def train(k: int) -> None:
+        try:
+            params = make_params(SHAPES)
+            opt = hocompile.compile_optimizer(torch.optim.AdamW(params, lr=1e-2), cache_dir=cache_dir, **EXACT)
+            for step in range(3):
+                for j, p in enumerate(params):
+                    p.grad = torch.full_like(p, 0.1 * (step + j + 1))
+                opt.step()
+            assert opt.counters.eager_fallbacks == 0
+            results[k] = params
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    eager = make_params(SHAPES)
+    opt = torch.optim.AdamW(eager, lr=1e-2)
+    for step in range(3):
+        for j, p in enumerate(eager):
+            p.grad = torch.full_like(p, 0.1 * (step + j + 1))
+        opt.step()
+    for params in results.values():
+        torch.testing.assert_close(params, eager, rtol=0, atol=0)
+
+
+class _Broken(Pass):
+    """A pass with a bug of ours."""
+
+    name = "broken"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        raise IndexError("a bug in a pass")
+
+
+def test_an_internal_error_falls_back_loudly(cache_dir, caplog) -> None:
+    settings = hocompile.Settings.resolve(cache_dir=cache_dir, fallback="eager")
+    params, eager_params = make_params(SHAPES), make_params(SHAPES)
+    opt = hocompile.CompiledOptimizer(torch.optim.SGD(params, lr=0.1), settings, pipeline=(_Broken(),))
+    eager = torch.optim.SGD(eager_params, lr=0.1)
+    for p, q in zip(params, eager_params):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    with caplog.at_level("WARNING", logger="hocompile"):
+        opt.step()
+    eager.step()
+    torch.testing.assert_close(params, eager_params, rtol=0, atol=0)
+    assert "internal error while compiling: IndexError: a bug in a pass" in hocompile.explain(opt)
+    assert "internal error" in caplog.text
+    strict = hocompile.CompiledOptimizer(torch.optim.SGD(params, lr=0.1), pipeline=(_Broken(),))
+    with pytest.raises(IndexError):
+        strict.step()
+
+
+def test_step_inside_a_torch_compiled_training_step(cache_dir) -> None:
+    pair = Pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), SHAPES, cache_dir)
+
+    @torch.compile(backend="eager")
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        pair.compiled.step()
+        return x * 2
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for pe, pc in zip(pair.eager_params, pair.compiled_params):
+            g = torch.randn(pe.shape, generator=gen)
+            pe.grad, pc.grad = g.clone(), g.clone()
+        pair.eager.step()
+        assert train_step(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert pair.max_rel_diff() <= 1e-6
+    assert pair.compiled.counters.compiles == 2  # first step + steady state, no eager fallback
+    assert pair.compiled.counters.eager_fallbacks == 0
+
+
+class RenumberedSGD(torch.optim.Optimizer):
+    """An int option the user changes every step: structural, so every change is a new program."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1, repeat=1))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                for _ in range(group["repeat"] % 3 + 1):
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_recompiles_are_capped_then_eager(cache_dir) -> None:
+    pair = Pair(RenumberedSGD, SHAPES, cache_dir, recompile_limit=3)
+    with pytest.warns(RecompileLimitWarning, match="recompile limit \\(3\\) reached"):
+        for step in range(8):
+            for opt in (pair.eager, pair.compiled):
+                opt.param_groups[0]["repeat"] = step
+            pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert len(pair.compiled.counters.recompiles) == 3
+    assert pair.compiled.counters.eager_fallbacks == 4
+    assert "recompile limit (3) reached" in hocompile.explain(pair.compiled)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_are_working_compiled_optimizers(how: str, cache_dir) -> None:
+    pair = Pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), SHAPES, cache_dir)
+    pair.step()
+    if how == "deepcopy":
+        clone = copy.deepcopy(pair.compiled)
+    elif how == "pickle":
+        clone = pickle.loads(pickle.dumps(pair.compiled))
+    else:
+        buffer = io.BytesIO()
+        torch.save(pair.compiled, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)
+    assert isinstance(clone, hocompile.CompiledOptimizer)
+    params = clone.param_groups[0]["params"]
+    assert all(p is not q for p, q in zip(params, pair.compiled_params))
+    eager = copy.deepcopy(pair.eager)
+    for p, q in zip(params, eager.param_groups[0]["params"]):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    clone.step()
+    eager.step()
+    torch.testing.assert_close(params, eager.param_groups[0]["params"], rtol=0, atol=0)
+    pair.step()  # the original is untouched by its copy
+    assert pair.max_rel_diff() <= 1e-6
