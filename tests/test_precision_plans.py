@@ -195,3 +195,12 @@ def test_explicit_low_precision_schedule_switches_gram_to_standard(cache_dir) ->
     report = hocompile.explain(opt)
     assert "standard NS: Gram NS is unsafe below fp32/tf32" in report, report
     assert "schedule fp8_e4m3*1+fp16*4" in opt.history[-1].final_graph
+
+
+def test_no_schedule_planned_outside_the_calibrated_shapes() -> None:
+    """Found by verify=: fp8_e4m3*1+fp16*4 on 16-row matrices was 3.3x eager's error; the
+    calibration measures short sides >= 64, so smaller ops keep their uniform precision."""
+    report = hocompile.plan(_muon([(16, 64), (768, 768)]), target="sm90")
+    small, large = (line for line in report.splitlines() if "hocompile.newton_schulz" in line)
+    assert "outside the calibrated shapes" in small and "fp8" not in small
+    assert "fp8_e4m3*" in large

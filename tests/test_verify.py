@@ -129,8 +129,23 @@ def test_newton_schulz_plans_pass_the_budget(name: str, factory: Any, target: Ta
     record = steady.verification
     assert record.budgeted == len(SHAPES) and record.worst <= record.worst_bound and record.worst_algebra < 1e-9
     plans = " ".join(steady.decisions)
-    assert ("gram fp32" in plans) == (target is AVX2_LIKE)  # Gram NS is verified too
+    # Gram NS is verified too; never planned against an fp32 eager (its rank-deficient error)
+    assert ("gram fp32" in plans) == (target is AVX2_LIKE and name != "emerging-fp32")
     assert "within the Newton–Schulz budget" in hocompile.explain(opt)
+
+
+def test_fp32_eager_on_rank_deficient_grads_stays_in_budget(cache_dir: Any) -> None:
+    """Found by verify=: fp32 Gram NS was 12-40x an fp32 eager's error on rank-2 grads; now planned standard."""
+    params = make_params(SHAPES)
+    factory = NS_CASES[-1][1]  # emerging Muon, fp32 with highest matmul precision
+    opt = hocompile.compile_optimizer(factory(params), cache_dir=cache_dir, target=AVX2_LIKE, verify=3)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        for p, g in zip(params, _grads(params, gen, rank=2)):
+            p.grad = g
+        opt.step()  # raises VerificationError if outside the budget
+    steady = opt.history[-1]
+    assert steady.verification.steps == 3 and "gram fp32" not in " ".join(steady.decisions)
 
 
 # ------------------------------------------------------------ wrong plans are caught

@@ -21,7 +21,10 @@ eager. An explicit ``"bf16"``/``"fp16"`` keeps that rounding, on the native
 GEMM if it is fast, else emulated on fp32 units with the same roundings.
 Gram NS is used where the cost model predicts a gain, in fp32/fp64 only: in
 bf16 it measured outside eager's error budget even with a restart, so half
-precision stays standard until choose-precision brings an error model.
+precision stays standard until choose-precision brings an error model. And
+only where eager rounds coarser than the plan computes (a bf16 eager, an fp32
+plan): against an fp32 eager, fp32 Gram NS measured 12-40x eager's error on
+rank-deficient gradients.
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def decide(
         # input with AOL coefficients, 3.6x on 128x128) even with a restart;
         # until choose-precision has an error model, half precision stays standard.
         alternative = f"gram {_time(gram)} (not in half precision)"
+        return Plan("standard", (), compute, matmul, standard, alternative, blocks)
+    if gram < standard and eager_dtype.itemsize >= compute.itemsize:
+        # Measured (verify=, rank-2 grads): fp32 Gram NS is 12-40x the error of
+        # an eager that itself computes in fp32, outside the 1.25x budget; it
+        # is well inside it only where eager rounds coarser (bf16) than we do.
+        alternative = f"gram {_time(gram)} (not at eager's own precision)"
         return Plan("standard", (), compute, matmul, standard, alternative, blocks)
     if gram < standard:
         return Plan("gram", restarts, compute, matmul, gram, f"standard {_time(standard)}", blocks)
