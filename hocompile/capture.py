@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,12 @@ from .host_state import MISSING, Change, HostSlot, HostUpdate, host_updates, nee
 from .scalars import Expr, Guard, HyperParam, ScalarProgram, ScalarTracker, build_scalar_program, input_expr, sentinel
 
 log = logging.getLogger("hocompile.capture")
+
+
+def _dynamo_config_patch(**changes: Any) -> Any:
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(**changes)
 
 
 @dataclass(frozen=True)
@@ -109,10 +116,16 @@ def input_slots(opt: torch.optim.Optimizer) -> list[InputSlot]:
                 if isinstance(state[k], torch.Tensor)
             ]
     # Tensors held as optimizer attributes (GradScaler's grad_scale and
-    # found_inf on a fused optimizer, a user's lr tensor): inputs too, never
-    # constants baked in at capture.
+    # found_inf on a fused optimizer, a user's scale tensor) and tensor
+    # hyperparameters (lr=torch.tensor(0.01)): inputs too, never constants.
     slots += [InputSlot("attr", -1, -1, k) for k in sorted(vars(opt)) if _tensor_attribute(opt, k)]
+    for g, group in enumerate(opt.param_groups):
+        slots += [InputSlot("group", g, -1, k) for k in sorted(group) if k != "params" and _tensor(group[k])]
     return slots
+
+
+def _tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _tensor_attribute(opt: torch.optim.Optimizer, key: str) -> bool:
@@ -122,6 +135,8 @@ def _tensor_attribute(opt: torch.optim.Optimizer, key: str) -> bool:
 def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
     if slot.kind == "attr":
         return vars(opt)[slot.key]  # type: ignore[no-any-return]
+    if slot.kind == "group":
+        return opt.param_groups[slot.group][slot.key]  # type: ignore[no-any-return]
     p = opt.param_groups[slot.group]["params"][slot.index]
     if slot.kind == "param":
         return p
@@ -158,8 +173,17 @@ def _trace(
             if host_slot.kind != "state" and not isinstance(host_slot.read(opt), HyperParam):
                 host_slot.write(opt, value)
         for input_slot, tensor in by_slot.items():
+            if input_slot.kind not in ("attr", "group"):
+                continue
+            real = slot_tensor(opt, input_slot)
             if input_slot.kind == "attr":
                 setattr(opt, input_slot.key, tensor)
+            else:
+                groups[input_slot.group][input_slot.key] = tensor
+            if tensor.dim() == 0:  # read with .item() (torch.optim's _get_value(lr)): a host counter
+                name = f"opt.{input_slot.key}" if input_slot.kind == "attr" else f"g{input_slot.group}.{input_slot.key}"
+                mode.track(tensor, name, real.item(), 1000 + len(mode.mirrors))
+                result.setdefault("counters", []).append(CounterRead(name, input_slot))
         installed = [dict(group) for group in groups]
         installed_attrs = dict(vars(opt))
         fake_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
@@ -221,7 +245,10 @@ def _trace(
         return values
 
     try:
-        gm = make_fx(torch.func.functionalize(traced), tracing_mode="fake")(*real_inputs)
+        # A helper wrapped in torch.compile (an NS function, an Adam update)
+        # runs as plain Python inside our trace instead of refusing it.
+        with _dynamo_config_patch(error_on_nested_fx_trace=False):
+            gm = make_fx(torch.func.functionalize(traced), tracing_mode="fake")(*real_inputs)
     except CaptureError:
         raise
     except Exception as exc:
@@ -230,6 +257,12 @@ def _trace(
             hint = (
                 " (the step calls torch.compile'd functions, which cannot be traced; heavyball: "
                 "set heavyball.utils.compile_mode = None to trace its plain Python)"
+            )
+        elif "convert all Tensors to FakeTensors" in str(exc):
+            hint = (
+                " (the step uses tensors that are not in its param_groups, grads or state, e.g. a "
+                "sub-optimizer's own param_groups or a tensor captured elsewhere: hocompile substitutes "
+                "only the object's own param_groups and state; compile each sub-optimizer instead)"
             )
         elif any(group.get("fused") for group in opt.param_groups):
             raise CaptureError(
@@ -275,9 +308,21 @@ def _fake_entry(
 
 
 def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedStep:
-    """Trace ``opt.step()`` as it would run now into a :class:`CapturedStep`."""
-    import time
+    """Trace ``opt.step()`` as it would run now into a :class:`CapturedStep`.
 
+    Every failure is a :class:`CaptureError` (a bug of ours too: it names
+    itself), so ``fallback="eager"`` covers all of them.
+    """
+    try:
+        return _capture(opt, structural)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        what = f"{type(opt).__name__}.step: {type(exc).__name__}: {exc}"
+        raise CaptureError(f"internal error while capturing {what}") from exc
+
+
+def _capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedStep:
     start = time.perf_counter()
     slots = input_slots(opt)
     if not slots:

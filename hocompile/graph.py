@@ -40,7 +40,9 @@ _DTYPE_SHORT = {
 class InputSlot:
     """Where a tensor input of the step graph lives in the optimizer."""
 
-    kind: str  # "param" | "grad" | "state" | "attr" (a tensor attribute of the optimizer, by key)
+    # "param" | "grad" | "state" | "attr" (a tensor attribute of the optimizer, by key)
+    # | "group" (a tensor in param_groups[group][key], e.g. lr=torch.tensor(0.01))
+    kind: str
     group: int
     index: int  # position in param_groups[group]["params"]
     key: str = ""  # state key, for kind == "state"
@@ -48,6 +50,8 @@ class InputSlot:
     def label(self) -> str:
         if self.kind == "attr":
             return f"a_{_ident(self.key)}"
+        if self.kind == "group":
+            return f"gt{self.group}_{_ident(self.key)}"
         base = {"param": "p", "grad": "g", "state": "s"}[self.kind]
         suffix = f"_{_ident(self.key)}" if self.key else ""
         return f"{base}{self.group}_{self.index}{suffix}"
@@ -55,6 +59,8 @@ class InputSlot:
     def describe(self) -> str:
         if self.kind == "attr":
             return f"optimizer attribute {self.key!r}"
+        if self.kind == "group":
+            return f"param_groups[{self.group}][{self.key!r}]"
         where = f"param_groups[{self.group}]['params'][{self.index}]"
         if self.kind == "param":
             return where

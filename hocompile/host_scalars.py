@@ -13,8 +13,11 @@ cannot evaluate and must not bake in:
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
+import os
+import traceback
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -22,7 +25,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .host_state import MISSING
-from .scalars import CaptureError, HyperParam, ScalarTracker, const, input_expr, sentinel
+from .scalars import (
+    MATH_BINARY,
+    MATH_UNARY,
+    CaptureError,
+    Expr,
+    HyperParam,
+    ScalarTracker,
+    const,
+    input_expr,
+    sentinel,
+)
 
 __all__ = ["CaptureError", "HostScalarMode", "is_hyperparameter"]
 
@@ -84,6 +97,20 @@ class HostScalarMode(TorchFunctionMode):
         # float32 matmul precisions in force at the step's matmuls
         # (emerging-optimizers switches it around its Newton-Schulz).
         self.matmul_precisions: set[str] = set()
+
+    def __enter__(self) -> HostScalarMode:
+        # math.sqrt(x) of a float subclass reads its payload and returns a plain
+        # float: the hyperparameter would be baked in. While tracing, math's
+        # functions follow HyperParams (and pass anything else straight through).
+        self._saved_math = {name: getattr(math, name) for name in MATH_UNARY + MATH_BINARY}
+        for name, fn in self._saved_math.items():
+            setattr(math, name, _following(fn, f"math.{name}"))
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._saved_math.items():
+            setattr(math, name, fn)
+        super().__exit__(*exc)
 
     def track(self, tensor: torch.Tensor, name: str, real: float, index: int) -> None:
         self.tracker.real[name] = real
@@ -155,8 +182,8 @@ class HostScalarMode(TorchFunctionMode):
         if entry is None:
             raise CaptureError(
                 "the step reads a tensor's value on the host (`.item()` / float(tensor)) "
-                f"on a {tuple(tensor.shape)} {tensor.dtype} tensor that is not a step counter; "
-                "a data-dependent host read cannot be compiled"
+                f"on a {tuple(tensor.shape)} {tensor.dtype} tensor that is not a step counter{_user_line()}; "
+                "a data-dependent host read cannot be compiled (fallback='eager' runs such a step eagerly)"
             )
         if entry[1] is None:
             raise CaptureError(
@@ -260,6 +287,33 @@ _ZERO_D_FACTORIES = frozenset({"zeros", "ones", "zeros_like", "ones_like", "full
 _FUNCTIONAL_FOLLOW = frozenset({"add", "sub", "__add__", "__sub__", "_foreach_add", "_foreach_sub", "clone", "detach"})
 
 
+def _user_line() -> str:
+    """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile."""
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(internal) and "<" not in frame.filename[:1]:
+            code = f" (`{frame.line.strip()}`)" if frame.line else ""
+            return f" at {frame.filename}:{frame.lineno}{code}"
+    return ""
+
+
+def _following(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
+    def follow(*args: Any) -> Any:
+        first = next((a for a in args if isinstance(a, HyperParam)), None)
+        if first is None:
+            return fn(*args)
+        if isinstance(args[0], HyperParam):
+            return args[0].apply(op, *args[1:])
+        return first.tracker.make(fn(*(float(a) for a in args)), Expr(op, tuple(_expr_of(a) for a in args)))
+
+    follow.__wrapped__ = fn  # type: ignore[attr-defined]
+    return follow
+
+
+def _expr_of(x: Any) -> Expr:
+    return x.expr if isinstance(x, HyperParam) else const(x)
+
+
 def _whole(x: Any) -> bool:
     """A whole number at capture: counters step by ones (real value, not the sentinel)."""
     real = x.tracker.real_value(x.expr) if isinstance(x, HyperParam) else x
@@ -281,15 +335,12 @@ def _mutates_first_arg(name: str) -> bool:
 def swap_in_hyperparams(
     groups: list[dict[str, Any]], structural: frozenset[str], tracker: ScalarTracker, salt: int
 ) -> list[dict[str, Any]]:
-    """Replace each group's hyperparameters by HyperParams; returns the originals."""
-    # Refuse before changing anything, so no group is left half swapped.
-    for g, group in enumerate(groups):
-        for key, value in group.items():
-            if isinstance(value, torch.Tensor) and key != "params":
-                raise CaptureError(
-                    f"param_groups[{g}][{key!r}] is a Tensor; hocompile already makes float "
-                    "hyperparameters runtime inputs (no recompiles when they change): pass a float"
-                )
+    """Replace each group's hyperparameters by HyperParams; returns the originals.
+
+    Tensor hyperparameters (``lr=torch.tensor(0.01)``) are not touched here:
+    they are tensor inputs of the graph (capture.input_slots), and a 0-d one
+    is also a host counter, so ``lr.item()`` reads its live value.
+    """
     saved: list[dict[str, Any]] = []
     index = 0
     for g, group in enumerate(groups):

@@ -21,6 +21,7 @@ branch recompiles instead of silently running the wrong program.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import struct
@@ -56,6 +57,13 @@ def round_f32(x: Any) -> float:
 
 
 _UNARY: dict[str, Callable[[Any], Any]] = {"neg": operator.neg, "pos": operator.pos, "abs": abs, "f32": round_f32}
+# ``math`` functions a step applies to hyperparameters and counters (bias
+# corrections): followed during capture (HostScalarMode patches them there)
+# and evaluated by the very same functions on the host.
+MATH_UNARY = ("sqrt", "exp", "log", "log2", "log10", "log1p", "expm1", "sin", "cos", "tanh", "fabs")
+MATH_BINARY = ("pow",)
+_UNARY.update({f"math.{name}": getattr(math, name) for name in MATH_UNARY})
+_BINARY.update({f"math.{name}": getattr(math, name) for name in MATH_BINARY})
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
     "!=": operator.ne,
@@ -106,8 +114,8 @@ class Expr:
             return f"(+{self.args[0].render(names)})"
         if self.op == "abs":
             return f"abs({self.args[0].render(names)})"
-        if self.op == "f32":
-            return f"f32({self.args[0].render(names)})"
+        if self.op == "f32" or self.op.startswith("math."):
+            return f"{self.op}({', '.join(a.render(names) for a in self.args)})"
         left, right = (a.render(names) for a in self.args)
         return f"({left} {self.op} {right})"
 
@@ -261,6 +269,12 @@ class HyperParam(float):
     def __pos__(self) -> HyperParam:
         return self
 
+    def apply(self, op: str, *others: Any) -> HyperParam:
+        """``math.<op>(self, *others)``: the payload computed like Python would, the expression recorded."""
+        exprs = [self.expr] + [_as_expr(o) or const(float(o)) for o in others]
+        fn = _UNARY[op] if not others else _BINARY[op]
+        return self.tracker.make(fn(float(self), *(float(o) for o in others)), Expr(op, tuple(exprs)))
+
     def as_float32(self) -> HyperParam:
         """This value as a float32 tensor holds it. The payload is not rounded:
         it must keep its per-trace nudge so the capture can still recognise it."""
@@ -373,6 +387,6 @@ def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
     idents = {n: f"h{i}" for i, n in enumerate(names)}
     body = ", ".join(e.render(idents) for e in exprs)
     source = f"def scalar_program({', '.join(idents.values())}):\n    return ({body}{',' if exprs else ''})\n"
-    namespace: dict[str, Any] = {"f32": round_f32}
+    namespace: dict[str, Any] = {"f32": round_f32, "math": math}
     exec(compile(source, "<hocompile scalar program>", "exec"), namespace)
     return ScalarProgram(tuple(names), tuple(exprs), source, namespace["scalar_program"])

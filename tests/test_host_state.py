@@ -8,6 +8,7 @@ eager's arithmetic (the NS passes are off: ``EXACT``).
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -255,3 +256,125 @@ def test_steady_state_after_an_eager_fallback_step_is_not_a_recompile(cache_dir)
     assert pair.max_rel_diff() == 0.0
     assert pair.compiled.counters.eager_fallbacks == 1
     assert pair.compiled.counters.recompiles == []
+
+
+class MathBiasCorrection(torch.optim.Optimizer):
+    """``math.sqrt`` / ``math.pow`` of hyperparameters and an int step, as real Adam-style code writes them."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1, betas=(0.9, 0.99)))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                if "m" not in state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].lerp_(p.grad, 1 - beta1)
+                state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                correction = math.sqrt(1 - math.pow(beta2, state["step"])) / (1 - beta1 ** state["step"])
+                p.addcdiv_(state["m"], state["v"].sqrt().add_(1e-8), value=-group["lr"] * correction)
+
+
+def test_math_functions_of_host_scalars_are_followed(cache_dir) -> None:
+    pair = Pair(MathBiasCorrection, [(4, 3), (5,)], cache_dir)
+    for step in range(6):
+        for opt in (pair.eager, pair.compiled):
+            opt.param_groups[0]["lr"] = 0.1 * 0.8**step
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.recompiles == []
+    assert "math.sqrt(" in hocompile.explain(pair.compiled)
+
+
+@pytest.mark.parametrize("name, foreach", [("sgd", False), ("sgd", True), ("adamw", False)])  # torch: no foreach AdamW
+def test_tensor_learning_rate_is_a_live_input(name: str, foreach: bool, cache_dir) -> None:
+    """torch.optim accepts ``lr=torch.tensor(...)``; schedules update it in place or replace it."""
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=torch.tensor(0.1), momentum=0.9, foreach=foreach),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01), foreach=foreach),
+    }[name]
+    pair = Pair(make, SHAPES, cache_dir)
+    for step in range(6):
+        for opt in (pair.eager, pair.compiled):
+            if step % 2:
+                opt.param_groups[0]["lr"].fill_(0.05 * 0.9**step)  # in place
+            else:
+                opt.param_groups[0]["lr"] = torch.tensor(0.05 * 0.9**step)  # a new tensor
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    pair.assert_state_equal()
+    assert pair.compiled.counters.recompiles == []
+
+
+def test_torch_compiled_helpers_are_traced_through(cache_dir) -> None:
+    """An NS function and an update wrapped in torch.compile run as plain Python in the capture."""
+
+    @torch.compile(backend="eager")
+    def scaled_sign(g: torch.Tensor) -> torch.Tensor:
+        return torch.sign(g) * g.abs().mean()
+
+    class SignSGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.add_(scaled_sign(p.grad), alpha=-self.param_groups[0]["lr"])
+
+    pair = Pair(SignSGD, SHAPES, cache_dir, **EXACT)
+    for _ in range(3):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0  # backend="eager": the helper's arithmetic is aten's in both
+
+
+def test_data_dependent_item_names_its_line_and_falls_back_for_that_step(cache_dir) -> None:
+    class ClipsOnNorm(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                if p.grad.norm().item() > 1.0:  # a data-dependent Python branch
+                    p.grad.mul_(0.5)
+                p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+    pair = Pair(ClipsOnNorm, [(3, 2)], cache_dir)
+    for p in pair.compiled_params:
+        p.grad = torch.ones_like(p)
+    where = r"test_host_state\.py:\d+ \(`if p\.grad\.norm\(\)\.item\(\) > 1\.0"
+    with pytest.raises(hocompile.CaptureError, match=where):
+        pair.compiled.step()
+    pair = Pair(ClipsOnNorm, [(3, 2)], cache_dir, fallback="eager")
+    for _ in range(3):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert "test_host_state.py:" in hocompile.explain(pair.compiled)
+
+
+def test_an_object_that_is_not_an_optimizer(cache_dir) -> None:
+    """Has step(), param_groups and state like an optimizer: compiles; lacking them: says what is missing."""
+
+    class PlainSGD:
+        def __init__(self, params, lr=0.1):
+            self.param_groups = [{"params": list(params), "lr": lr}]
+            self.state: dict = {}
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    pair = Pair(PlainSGD, [(3, 2), (4,)], cache_dir)
+    for _ in range(3):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    with pytest.raises(TypeError, match="lacks a step\\(\\) method, param_groups"):
+        hocompile.compile_optimizer(object())  # type: ignore[arg-type]

@@ -154,7 +154,7 @@ def test_bad_arguments() -> None:
     w = torch.randn(2, 2)
     with pytest.raises(ValueError, match="fallback must be one of"):
         hocompile.compile_optimizer(torch.optim.SGD([w], lr=0.1), fallback="maybe")
-    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer or an object like one"):
         hocompile.compile_optimizer(object())  # type: ignore[arg-type]
     opt = hocompile.compile_optimizer(torch.optim.SGD([w], lr=0.1))
     with pytest.raises(TypeError, match="already compiled"):

@@ -61,6 +61,23 @@ _COMPILE_LOCK = threading.RLock()
 _FORWARDED = frozenset({"grad_scale", "found_inf"})
 
 
+def _check_optimizer_like(obj: Any) -> None:
+    """An object that is not a torch.optim.Optimizer compiles if it has what the capture rebinds."""
+    missing = []
+    if not callable(getattr(obj, "step", None)):
+        missing.append("a step() method")
+    groups = getattr(obj, "param_groups", None)
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and "params" in g for g in groups)):
+        missing.append("param_groups (a list of dicts, each with 'params')")
+    if not isinstance(vars(obj).get("state") if hasattr(obj, "__dict__") else None, dict):
+        missing.append("state (a dict attribute keyed by param, which the capture can rebind)")
+    if missing:
+        raise TypeError(
+            f"compile_optimizer expects a torch.optim.Optimizer or an object like one; "
+            f"{type(obj).__name__} lacks {', '.join(missing)}"
+        )
+
+
 class RecompileLimitWarning(UserWarning):
     """An optimizer recompiled ``recompile_limit`` times; new configurations run eagerly."""
 
@@ -130,7 +147,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ is deliberately not called: it would copy the
         # param groups, and ours must stay the wrapped optimizer's own.
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"compile_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            _check_optimizer_like(optimizer)
         if isinstance(optimizer, CompiledOptimizer):
             raise TypeError("this optimizer is already compiled")
         self._inner = optimizer
@@ -278,7 +295,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # Eager's order: pre-hooks, then the step (which calls the closure), then post-hooks.
         args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
-        hooks = chain(_global_optimizer_pre_hooks.values(), self._inner._optimizer_step_pre_hooks.values())
+        own_pre = getattr(self._inner, "_optimizer_step_pre_hooks", {})
+        hooks = chain(_global_optimizer_pre_hooks.values(), own_pre.values())
         for pre_hook in hooks:
             result = pre_hook(self, args, kwargs)
             if result is not None:
@@ -294,7 +312,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             self._step()
-        for post_hook in chain(self._inner._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+        own_post = getattr(self._inner, "_optimizer_step_post_hooks", {})
+        for post_hook in chain(own_post.values(), _global_optimizer_post_hooks.values()):
             post_hook(self, args, kwargs)
         return loss
 

@@ -18,14 +18,16 @@ class UnsupportedParameterError(ValueError):
 
 
 def _needs_matrices(opt: torch.optim.Optimizer) -> tuple[bool, bool]:
-    """(is a matrix optimizer, requires exactly 2-D) for the Muon family."""
+    """(is a matrix optimizer, requires exactly 2-D): torch.optim.Muon's own rule, which it
+    checks only in __init__ (a param group added later would fail inside its step).
+
+    Nothing is decided from a class's *name*: real Muon classes step biases and
+    embeddings with their own AdamW. A step that orthogonalises a param it
+    cannot fails in its own code while tracing, which refuses with its message.
+    """
     muon = getattr(torch.optim, "Muon", None)
     if muon is not None and isinstance(opt, muon):
         return True, True
-    name = type(opt).__name__
-    module = type(opt).__module__
-    if "Muon" in name or module.startswith("emerging_optimizers.orthogonalized_optimizers"):
-        return True, False
     return False, False
 
 
