@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from .collectives import traced_collectives
 from .graph import ORIGIN, ROLE, InputSlot, graph_stats
 from .host_scalars import (
     CaptureError,
@@ -247,7 +248,7 @@ def _trace(
     try:
         # A helper wrapped in torch.compile (an NS function, an Adam update)
         # runs as plain Python inside our trace instead of refusing it.
-        with _dynamo_config_patch(error_on_nested_fx_trace=False):
+        with _dynamo_config_patch(error_on_nested_fx_trace=False), traced_collectives():
             gm = make_fx(torch.func.functionalize(traced), tracing_mode="fake")(*real_inputs)
     except CaptureError:
         raise

@@ -6,6 +6,7 @@ import copy
 import io
 import pickle
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -207,3 +208,55 @@ def test_copies_are_working_compiled_optimizers(how: str, cache_dir) -> None:
     torch.testing.assert_close(params, eager.param_groups[0]["params"], rtol=0, atol=0)
     pair.step()  # the original is untouched by its copy
     assert pair.max_rel_diff() <= 1e-6
+
+
+def _all_gathering_step_on(world: int, rank: int, cache_dir: str, port: int) -> float:
+    """A Muon-style step that all-gathers its updates across ranks (the pattern of several public Muons)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    try:
+
+        class GatheringSGD(torch.optim.Optimizer):
+            def __init__(self, params):
+                super().__init__(params, dict(lr=0.1))
+
+            @torch.no_grad()
+            def step(self, closure=None):
+                params = self.param_groups[0]["params"]
+                size, me = dist.get_world_size(), dist.get_rank()
+                for base in range(0, len(params), size):
+                    if base + me < len(params):
+                        p = params[base + me]
+                        p.add_(p.grad.sign(), alpha=-self.param_groups[0]["lr"])
+                    chunk = params[base:base + size]
+                    padded = chunk + [torch.empty_like(chunk[-1])] * (size - len(chunk))
+                    dist.all_gather(padded, params[min(base + me, len(params) - 1)])
+
+        pair = Pair(GatheringSGD, [(3, 2), (3, 2)], cache_dir, fallback="error")
+        for _ in range(3):
+            pair.step()
+        return pair.max_rel_diff()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_in_the_step_on_one_rank(cache_dir) -> None:
+    assert _all_gathering_step_on(1, 0, str(cache_dir), 29517) == 0.0
+
+
+def _refusal_on_rank(rank: int, cache_dir: str, port: int, messages: Any) -> None:
+    try:
+        _all_gathering_step_on(2, rank, cache_dir, port)
+    except hocompile.CaptureError as exc:
+        messages.put(str(exc))
+
+
+def test_collectives_across_ranks_are_refused_not_skipped(cache_dir) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    messages = context.SimpleQueue()
+    mp.start_processes(_refusal_on_rank, args=(str(cache_dir), 29519, messages), nprocs=2, start_method="spawn")
+    seen = [messages.get() for _ in range(2)]
+    assert all("torch.distributed.all_gather across 2 ranks" in m for m in seen), seen

@@ -1,0 +1,73 @@
+"""torch.distributed calls inside a step, while it is traced.
+
+Several Muon implementations all-gather the orthogonalised updates across
+ranks inside ``step()`` (``dist.all_gather``, ``all_gather_into_tensor``),
+even when run on one rank. A fake-tensor trace cannot run a real collective.
+With one rank every collective is a local copy (or nothing), so that is what
+the trace records, and the compiled step equals eager's. Across several ranks
+the step is refused with a clear error until the distributed plan lands
+(DESIGN.md §7): a compiled step must never skip a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .scalars import CaptureError
+
+# name -> what it does on one rank (the tensors are the caller's)
+_ONE_RANK: dict[str, Callable[..., Any]] = {
+    "all_gather": lambda outputs, tensor, *a, **k: outputs[0].copy_(tensor),
+    "all_gather_into_tensor": lambda output, tensor, *a, **k: output.copy_(tensor.reshape(output.shape)),
+    "_all_gather_base": lambda output, tensor, *a, **k: output.copy_(tensor.reshape(output.shape)),
+    "reduce_scatter": lambda output, inputs, *a, **k: output.copy_(inputs[0]),
+    "reduce_scatter_tensor": lambda output, tensor, *a, **k: output.copy_(tensor.reshape(output.shape)),
+    "all_reduce": lambda tensor, *a, **k: None,
+    "broadcast": lambda tensor, *a, **k: None,
+    "barrier": lambda *a, **k: None,
+}
+
+
+class _Done:
+    """What an ``async_op=True`` collective returns: its work is already done."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def traced_collectives() -> Iterator[None]:
+    """Inside: collectives are local copies on one rank, a CaptureError on several."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        yield  # eager would fail the same way on a collective; nothing to patch
+        return
+    world = dist.get_world_size()
+    saved = {name: getattr(dist, name) for name in _ONE_RANK if hasattr(dist, name)}
+
+    def local(name: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if world != 1:
+                raise CaptureError(
+                    f"the step calls torch.distributed.{name} across {world} ranks; hocompile does not "
+                    "compile collectives across ranks yet (fallback='eager' runs such a step eagerly)"
+                )
+            _ONE_RANK[name](*args, **kwargs)
+            return _Done() if kwargs.get("async_op") else None
+
+        return run
+
+    try:
+        for name in saved:
+            setattr(dist, name, local(name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
