@@ -41,6 +41,7 @@ from .host_scalars import (
 )
 from .host_state import MISSING, Change, HostSlot, HostUpdate, host_updates, needs_lifting
 from .scalars import Guard, HyperParam, ScalarProgram, ScalarTracker, build_scalar_program, input_expr, sentinel
+from .snapshot import Snapshot
 
 log = logging.getLogger("hocompile.capture")
 
@@ -157,6 +158,7 @@ def _trace(
     def traced(*flat: torch.Tensor) -> list[torch.Tensor]:
         by_slot = dict(zip(slots, flat))
         groups = opt.param_groups
+        reachable = Snapshot(opt, skip=set())
         saved_state = opt.state
         saved_attrs = dict(vars(opt))
         saved_groups = swap_in_hyperparams(groups, structural, tracker, salt)
@@ -215,6 +217,15 @@ def _trace(
                     delattr(opt, key)
                 elif after is not saved_attrs[key]:
                     setattr(opt, key, saved_attrs[key])
+            result["elsewhere"] = reachable.changed()
+            reachable.restore()
+        if result["elsewhere"]:
+            raise CaptureError(
+                f"the step changes {', '.join(result['elsewhere'][:4])}, which hocompile does not substitute "
+                "(only the object's own param_groups, grads, state and attributes): a compiled step would "
+                "not carry that state from one step to the next. Compile each sub-optimizer on its own, "
+                "or keep such state in `state`"
+            )
         assigns: list[InputSlot] = []
         values: list[torch.Tensor] = []
         clears: list[tuple[int, int]] = []
@@ -252,9 +263,15 @@ def _trace(
             )
         elif "convert all Tensors to FakeTensors" in str(exc):
             hint = (
-                " (the step uses tensors that are not in its param_groups, grads or state, e.g. a "
-                "sub-optimizer's own param_groups or a tensor captured elsewhere: hocompile substitutes "
-                "only the object's own param_groups and state; compile each sub-optimizer instead)"
+                " (the step uses tensors hocompile does not substitute: it substitutes params, grads, "
+                "tensors in `state`, tensor attributes and tensor values of param_groups; not tensors inside "
+                "lists or other containers (e.g. views of a buffer kept in a group), a sub-optimizer's own "
+                "state, or tensors captured elsewhere)"
+            )
+        elif "data-dependent" in str(exc):
+            hint = (
+                f" (the step branches on a tensor's value in Python{_user_frame(exc)}; a data-dependent host "
+                "read cannot be compiled; fallback='eager' runs such a step eagerly)"
             )
         elif any(group.get("fused") for group in opt.param_groups):
             raise CaptureError(
@@ -275,6 +292,16 @@ def _trace(
         gm, tracker, result["assigns"], result["clears"], result["changes"],
         result.get("counters", []), sorted(mode.matmul_precisions),
     )
+
+
+def _user_frame(exc: BaseException) -> str:
+    """`` at file:line`` of the innermost frame of ``exc`` outside torch and hocompile."""
+    import os
+    import traceback
+
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(internal)]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def _fake_entry(

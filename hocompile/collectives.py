@@ -41,6 +41,11 @@ class _Done:
     def is_completed(self) -> bool:
         return True
 
+    def get_future(self) -> torch.futures.Future[None]:
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
 
 @contextlib.contextmanager
 def traced_collectives() -> Iterator[None]:

@@ -123,6 +123,11 @@ class HostScalarMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.item:
             return self._item(args[0])
+        if func in _HOST_READS and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
+            # bool(t), float(t), int(t), t.tolist(), min(t, x) on a one-element tensor:
+            # a host read like .item(): a counter's value, or a clear refusal naming the line
+            read = self._item(args[0])
+            return _HOST_READS[func](read) if func is not torch.Tensor.tolist or args[0].dim() == 0 else [read]
         name = getattr(func, "__name__", "")
         if name in _MATMULS:
             self.matmul_precisions.add(torch.get_float32_matmul_precision())
@@ -281,6 +286,13 @@ class HostScalarMode(TorchFunctionMode):
             self.mirrors[id(res)] = (res, self._as_stored(res, value), name)
 
 
+_HOST_READS: dict[Any, Callable[[Any], Any]] = {
+    torch.Tensor.__bool__: bool,
+    torch.Tensor.__float__: lambda v: v,
+    torch.Tensor.__int__: int,
+    torch.Tensor.__index__: int,
+    torch.Tensor.tolist: lambda v: v,
+}
 _MATMULS = frozenset({"mm", "matmul", "__matmul__", "__rmatmul__", "addmm", "bmm", "baddbmm", "addmm_", "baddbmm_"})
 _NUMBER_TO_TENSOR = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor})
 _ZERO_D_FACTORIES = frozenset({"zeros", "ones", "zeros_like", "ones_like", "full", "full_like"})

@@ -378,3 +378,79 @@ def test_an_object_that_is_not_an_optimizer(cache_dir) -> None:
     assert pair.max_rel_diff() == 0.0
     with pytest.raises(TypeError, match="lacks a step\\(\\) method, param_groups"):
         hocompile.compile_optimizer(object())  # type: ignore[arg-type]
+
+
+def test_python_branch_on_a_tensor_names_its_line(cache_dir) -> None:
+    """``min(tensor, x)`` and ``if tensor > x`` read the tensor on the host like .item() does."""
+
+    class ClampsOnNorm(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1, gamma=0.5))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["step"] = group.get("step", 0) + 1
+                for p in group["params"]:
+                    scale = min(p.grad.norm(), group["gamma"])
+                    p.add_(p.grad, alpha=-group["lr"] * float(scale))
+
+    pair = Pair(ClampsOnNorm, [(3, 2)], cache_dir)
+    for p in pair.compiled_params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(hocompile.CaptureError, match=r"test_host_state\.py:\d+ \(`scale = min\(p\.grad\.norm\(\)"):
+        pair.compiled.step()
+    # with fallback="eager": the capture is not retried on every step because group["step"] changes
+    pair = Pair(ClampsOnNorm, [(3, 2)], cache_dir, fallback="eager", recompile_limit=2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hocompile.RecompileLimitWarning)
+        for _ in range(6):
+            pair.step()
+    assert pair.max_rel_diff() == 0.0
+    counters = pair.compiled.counters  # tried on step 1, and once more when step 1 created group["step"]
+    assert counters.compiles == 2 and counters.recompiles == [] and counters.eager_fallbacks == 6
+
+
+def test_a_new_group_key_is_the_steady_state_not_a_recompile(cache_dir) -> None:
+    class CreatesGroupStep(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1, beta=0.9))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["step"] = group.get("step", 0) + 1
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"] / (1 - group["beta"] ** group["step"]))
+
+    pair = Pair(CreatesGroupStep, [(3, 2)], cache_dir)
+    for step in range(5):
+        for opt in (pair.eager, pair.compiled):
+            opt.param_groups[0]["lr"] = 0.1 / (step + 1)
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.recompiles == []
+
+
+def test_not_optimizer_like_runs_eagerly_with_fallback(cache_dir) -> None:
+    class StepsTwo:
+        def __init__(self, a, b):
+            self.optimizers = [a, b]
+
+        def step(self):
+            for opt in self.optimizers:
+                opt.step()
+
+    params = [torch.randn(3, 2), torch.randn(4)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    combined = StepsTwo(torch.optim.SGD(params[:1], lr=0.1), torch.optim.AdamW(params[1:], lr=0.1))
+    with pytest.raises(TypeError, match="StepsTwo lacks param_groups"):
+        hocompile.compile_optimizer(combined, cache_dir=cache_dir)
+    opt = hocompile.compile_optimizer(combined, cache_dir=cache_dir, fallback="eager")
+    before = [p.clone() for p in params]
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(params, before))
+    assert "every step runs eagerly" in hocompile.explain(opt)

@@ -260,3 +260,45 @@ def test_collectives_across_ranks_are_refused_not_skipped(cache_dir) -> None:
     mp.start_processes(_refusal_on_rank, args=(str(cache_dir), 29519, messages), nprocs=2, start_method="spawn")
     seen = [messages.get() for _ in range(2)]
     assert all("torch.distributed.all_gather across 2 ranks" in m for m in seen), seen
+
+
+class _OwnsAnSGD(torch.optim.Optimizer):
+    """A wrapper whose step delegates to an owned optimizer (sharing its group dicts)."""
+
+    def __init__(self, params):
+        super().__init__(list(params), dict(lr=0.1))
+        self.inner = torch.optim.SGD(self.param_groups, lr=0.1, momentum=0.9)
+        self.inner.param_groups = self.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.inner.step()
+
+
+class _CachesATensor(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1))
+        self.cache: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.cache:
+            self.cache.append(torch.zeros(()))
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("factory, where", [(_OwnsAnSGD, "opt.inner.state"), (_CachesATensor, "opt.cache")])
+def test_state_kept_outside_what_capture_substitutes_is_refused(factory, where: str, cache_dir) -> None:
+    """Before: the wrapper compiled, its momentum restarted every step and fake tensors leaked into it."""
+    pair = Pair(factory, SHAPES, cache_dir)
+    for p in pair.compiled_params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(hocompile.CaptureError, match=f"the step changes {where}"):
+        pair.compiled.step()
+    opt = pair.compiled.optimizer
+    assert not getattr(opt, "cache", []) and not getattr(opt, "inner", opt).state
+    pair = Pair(factory, SHAPES, cache_dir, fallback="eager")
+    for _ in range(3):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0

@@ -31,7 +31,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from ..capture import CapturedStep, capture, slot_tensor, unwrapped_step
 from ..graph import decisions, graph_stats, print_graph
 from ..host_scalars import CaptureError, is_float
-from ..host_state import HostSlot
+from ..host_state import MISSING, HostSlot
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
 from ..settings import Settings
@@ -69,16 +69,27 @@ class CompiledOptimizer(torch.optim.Optimizer):
     ) -> None:
         # Optimizer.__init__ is deliberately not called: it would copy the
         # param groups, and ours must stay the wrapped optimizer's own.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            _check_optimizer_like(optimizer)
         if isinstance(optimizer, CompiledOptimizer):
             raise TypeError("this optimizer is already compiled")
         self._inner = optimizer
         self._settings = settings or Settings.resolve()
+        # Set when the object is not optimizer-like and fallback="eager": every
+        # step is its own, and this says why (explain() shows it).
+        self._passthrough = ""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            try:
+                _check_optimizer_like(optimizer)
+            except TypeError as exc:
+                if self._settings.fallback != "eager":
+                    raise
+                self._passthrough = str(exc)
+                log.warning("hocompile: every step of %s runs eagerly: %s", type(optimizer).__name__, exc)
         self._pipeline_override = pipeline
         self._pipeline_cache: tuple[Pass, ...] | None = None
         self._disk = DiskCache(self._settings.cache_dir)
         self._entries: dict[Signature, list[CompiledEntry]] = {}
+        # Steps that could not be captured, by coarse signature (every Python number masked)
+        self._eager_by_coarse: dict[Signature, CompiledEntry] = {}
         self._last_signature: Signature | None = None
         self.history: list[CompiledEntry] = []
         self.counters = Counters()
@@ -216,6 +227,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # Opaque to Dynamo: inside a torch.compile'd training step this runs as
         # one call (a graph break), the way an eager optimizer's fused kernel would.
         # Eager's order: pre-hooks, then the step (which calls the closure), then post-hooks.
+        if self._passthrough:
+            self.counters.eager_fallbacks += 1
+            self.steps += 1
+            return self._inner.step() if closure is None else self._inner.step(closure)
         args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
         own_pre = getattr(self._inner, "_optimizer_step_pre_hooks", {})
@@ -262,11 +277,17 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 entry = candidate
                 break
             failed_guard = f"guard failed: {broken.describe()} no longer holds"
+        if entry is None and not candidates and self._eager_by_coarse:
+            # This configuration differs from one that could not be captured only in
+            # Python numbers (a counter the step bumps): it runs eagerly too, no retry.
+            entry = self._eager_by_coarse.get(signature(self._inner, structural, self._lifted, coarse=True))
         if entry is None:
             reason = failed_guard or (
                 "first step" if self._last_signature is None else describe_change(self._last_signature, sig)
             )
-            expected = self._created_state and reason.startswith("state of")
+            # Right after a step that created state (tensors, or Python keys such as
+            # a new group["step"]), the steady-state compile is expected, not a recompile.
+            expected = self._created_state and reason.startswith(("state of", "param_groups[", "optimizer attribute"))
             if expected:
                 reason = "steady state: the previous step created the optimizer state"
             entry = self._compile(sig, reason, expected)
@@ -287,8 +308,12 @@ class CompiledOptimizer(torch.optim.Optimizer):
             return
         run_step(self, entry, env)  # self._run, checked against eager for the first `verify` steps
 
-    def _state_keys(self) -> list[tuple[str, ...]]:
-        return [tuple(self._inner.state.get(p, ())) for g in self._inner.param_groups for p in g["params"]]
+    def _state_keys(self) -> list[tuple[Any, ...]]:
+        """The keys of every state entry, group and attribute: what a first step creates."""
+        opt = self._inner
+        keys: list[tuple[Any, ...]] = [tuple(vars(opt))]
+        keys += [tuple(g) for g in opt.param_groups]
+        return keys + [tuple(opt.state.get(p, ())) for g in opt.param_groups for p in g["params"]]
 
     def _host_env(self, captured: CapturedStep) -> dict[str, Any]:
         """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
@@ -325,11 +350,13 @@ class CompiledOptimizer(torch.optim.Optimizer):
             else:
                 p = opt.param_groups[slot.group]["params"][slot.index]
                 opt.state[p][slot.key] = value
-        self._created_state = any(a.mode == "assign" for a in captured.outputs)
+        created = any(a.mode == "assign" for a in captured.outputs)
         for g, i in captured.clears_grads:
             opt.param_groups[g]["params"][i].grad = None
         for host_slot, value in host_values:
+            created = created or host_slot.read(opt) is MISSING
             host_slot.write(opt, value)
+        self._created_state = created
 
     def _compile(self, sig: Signature, reason: str, expected: bool = False) -> CompiledEntry:
         try:
@@ -361,6 +388,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
             raise exc
         log.warning("hocompile: running %s eagerly: %s", type(self._inner).__name__, exc)
         entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, str(exc))
+        coarse = signature(self._inner, self._settings.structural_keys, self._lifted, coarse=True)
+        self._eager_by_coarse.setdefault(coarse, entry)
         return self._remember(sig, entry, expected)
 
     def _over_limit(self, sig: Signature, reason: str, limit: int) -> CompiledEntry:

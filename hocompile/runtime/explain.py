@@ -11,6 +11,8 @@ def explain(opt: CompiledOptimizer) -> str:
     if not isinstance(opt, CompiledOptimizer):
         raise TypeError(f"explain() takes the result of compile_optimizer(), got {type(opt).__name__}")
     inner = opt.optimizer
+    if opt._passthrough:
+        return f"hocompile: {type(inner).__name__}: every step runs eagerly ({opt._passthrough}); {opt.steps} steps\n"
     n_params = sum(len(g["params"]) for g in inner.param_groups)
     c = opt.counters
     lines = [

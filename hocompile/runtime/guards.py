@@ -68,11 +68,22 @@ _HOST = ("host",)
 
 
 def signature(
-    opt: torch.optim.Optimizer, structural: frozenset[str], lifted: frozenset[HostSlot] = frozenset()
+    opt: torch.optim.Optimizer,
+    structural: frozenset[str],
+    lifted: frozenset[HostSlot] = frozenset(),
+    coarse: bool = False,
 ) -> Signature:
+    """``coarse``: every Python number counts as a host input (masked). A step that could
+    not be captured is remembered under that, so a counter the step bumps does not make
+    hocompile retry (and fail) the capture on every step."""
+
+    def masked(slot: HostSlot, value: Any) -> Any:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return _HOST if slot in lifted or (coarse and number) else _freeze(value)
+
     attributes = tuple(
         sorted(
-            (k, _HOST if HostSlot("attr", k) in lifted else _freeze(v))
+            (k, masked(HostSlot("attr", k), v))
             for k, v in vars(opt).items()
             if not k.startswith("_") and k not in _NOT_OPTIONS
         )
@@ -83,7 +94,7 @@ def signature(
         for key, value in group.items():
             if key == "params":
                 continue
-            if HostSlot("group", key, g) in lifted:
+            if masked(HostSlot("group", key, g), value) is _HOST:
                 options.append((key, _HOST))
             elif is_hyperparameter(key, value, structural):
                 options.append((key, ("hyper", len(value) if isinstance(value, (tuple, list)) else 0)))
@@ -93,7 +104,7 @@ def signature(
         for i, p in enumerate(group["params"]):
             grad = p.grad
             state = opt.state.get(p, {})
-            frozen = ((k, _HOST if HostSlot("state", k, g, i) in lifted else _freeze(v)) for k, v in state.items())
+            frozen = ((k, masked(HostSlot("state", k, g, i), v)) for k, v in state.items())
             grad_sig = None if grad is None else _tensor_sig(grad)
             params.append(ParamSig(id(p), _tensor_sig(p), grad_sig, tuple(sorted(frozen))))
         groups.append(GroupSig(tuple(sorted(options, key=lambda kv: kv[0])), tuple(params)))
