@@ -273,3 +273,28 @@ graph step(
   t11: f32[3] = aten.addcdiv(t4, t5, t10, value=h6)  # capture
   return (t3, t5, t7, t11)
 """)
+
+    def test_safety_factor_with_hyperparameter_eps_after_fuse_newton_schulz(self) -> None:
+        # ‖X‖·1.05 clamped at the group's eps: s folds into iteration 1 (a/s, b/s³, c/s⁵) and, since
+        # eps/s is no host scalar, the input is scaled by s instead; the rest of the program is one op.
+        from .test_ns_spellings import SpellingMuon, torch_style_with_safety
+
+        params = [torch.zeros(6, 4)]
+        opt = SpellingMuon(params, torch_style_with_safety)
+        self.assertExpectedInline(_graph(opt, params, (Canonicalize(), FuseNewtonSchulz())), """\
+graph step(
+  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: f32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  h0: f64 (host) = 1 - g0.momentum
+  h1: f64 (host) = g0.momentum
+  h2: f64 (host) = g0.eps
+  h3: f64 (host) = (-g0.lr) * 1.224744871391589
+):
+  t0: f32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: f32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t2: f32[6, 4] = aten.mul.Tensor(t1, 1.05)  # fuse-newton-schulz
+  t3: f32[6, 4] = hocompile.newton_schulz(t2, [(3.2804761904761905, -4.124824532987798, 1.591733407180674) + (3.4445, -4.775, 2.0315)x4], eps=h2 clamp, transpose, bf16->f32, standard, native)  # fuse-newton-schulz
+  t4: f32[6, 4] = aten.add.Tensor(p0_0, t3, alpha=h3)  # capture
+  return (t4, t0)
+""")

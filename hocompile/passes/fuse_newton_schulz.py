@@ -5,9 +5,10 @@
 
 The program, however it is spelled (torch.optim.Muon's ``addmm``, Keller
 Jordan's ``b * A + c * A @ A``, emerging-optimizers' ``F.normalize`` and
-coefficient lists): optional cast, optional transpose to wide, Frobenius
-normalisation with eps, then k iterations of ``A = X Xᵀ; B = b A + c A²;
-X = a X + B X``, then the transpose back and an optional cast.
+coefficient lists, Polar Express's safety factor, DeepSeek-V4's ten
+iterations): casts and transposes, a Frobenius normalisation with eps, then k
+iterations of the odd polynomial ``X = a X + b X Xᵀ X + c X Xᵀ X Xᵀ X``, then
+casts and transposes back.
 
 Before (torch.optim.Muon, one parameter, 2 iterations)::
 
@@ -28,11 +29,38 @@ After::
     t2 = hocompile.newton_schulz(t1, [3.4445, 3.4445], [-4.775, -4.775], [2.0315, 2.0315], h2,
                                  'clamp', True, bf16, bf16, 'standard', [], 'native')
 
-Matching is algebraic: each node is read as a linear combination of products
-(:func:`lincomb`), so ``addmm(A, A, A, beta=b, alpha=c)`` and
-``b * A + (c * A) @ A`` are the same thing. Anything else — another
-polynomial, no normalisation, an intermediate used outside the chain — is
-declined with the reason, and the graph is left as it was.
+**Normalisation** (:mod:`.ns_normalization`): ``x / d`` where ``d`` is
+``‖y‖ + eps``, ``max(‖y‖, eps)`` or ``‖y‖`` (eps 0), casts allowed around each
+step, and ``y`` the same matrix as ``x`` up to casts and transposes (``G.bf16()
+/ (G.norm() + eps)``, a norm taken in fp32 then cast). A constant safety
+factor ``s`` (``‖y‖ * s + eps``, ``(‖y‖ + eps) * s``) is folded exactly: X₀ = Y / s
+with Y the op's own normalisation (eps / s), so iteration 1's coefficients
+become (a/s, b/s³, c/s⁵). With a hyperparameter eps the input is scaled by s
+instead (an ``aten.mul`` before the op), since eps / s is no host scalar.
+
+**Iterations** (:func:`_next_iterate`): each node downstream of the iterate X
+is expanded into a polynomial in X and Xᵀ (:mod:`.matrix_polynomial`); the
+next iterate is the last node that is a·X + b·X Xᵀ X + c·(X Xᵀ)² X (or the
+same in Xᵀ) *and* whose subgraph nothing outside reads — so a partial sum
+(``a X + b B`` before ``+ c A B``) is never taken for a whole iteration — and
+a scale or transpose of it (``X * 0.2``, ``X.mT``) stays outside. Any
+grouping, side (``X Xᵀ`` or ``Xᵀ X``), ``addmm``/``baddbmm`` (``beta=0``
+ignores the input buffer), Horner form and number of iterations.
+
+**Precision**: the op's ``compute_dtype`` is the dtype of the iterates (X₀
+included), ``out_dtype`` that of the chain's end; casts along the way may
+change the dtype once on each side (a bf16 detour through fp16 is declined).
+The op normalises after its cast; a program that normalises in fp32 and then
+casts (emerging-optimizers, ``G.div_(norm)``) rounds once less there, well
+inside the NS error budget (tests/test_ns_spellings.py measures it). The op
+iterates on the wide side (``transpose`` for a tall input), as eager does
+except where it formed the large Gram matrix of a tall X. An fp32/fp64 program
+in Horner form (``(a I + B) X``) is declined: there it is 1.5-2x more accurate
+than the op's ``a X + B X``.
+
+Anything else — another polynomial, no normalisation, an intermediate used
+outside the chain, a hyperparameter as a coefficient or safety factor — is
+declined with the reason, naming the node, and the graph is left as it was.
 """
 
 from __future__ import annotations
@@ -44,78 +72,22 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers hocompile::newton_schulz)
-from ..graph import ROLE
-from ..scalars import Expr
 from .base import Pass, PassResult
+from .matrix_polynomial import (
+    Expansion,
+    identity_shift,
+    is_call,
+    is_number,
+    odd_coefficients,
+    reads,
+    transposed,
+)
+from .ns_normalization import back_through_layout, is_cast, layout_step, normalization, one_dtype_change
 
 aten = torch.ops.aten
-Key = Any  # a base node, or ("mm", left_base, right_base)
-
-
-def _is(node: Any, *targets: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def scaled(node: Any) -> tuple[float, Any]:
-    """``node`` as ``coef * base``, stripping multiplications by constants."""
-    if _is(node, aten.mul.Tensor) and _number(node.args[1]):
-        coef, base = scaled(node.args[0])
-        return coef * float(node.args[1]), base
-    return 1.0, node
-
-
-def _transposed(node: Any) -> Any:
-    """X for a node that is Xᵀ (last two dims swapped), else None."""
-    if _is(node, aten.permute.default):
-        dims = list(node.args[1])
-        n = len(dims)
-        if n >= 2 and dims == list(range(n - 2)) + [n - 1, n - 2]:
-            return node.args[0]
-    if _is(node, aten.transpose.int) and sorted(d % node.meta["val"].dim() for d in node.args[1:3]) == [
-        node.meta["val"].dim() - 2, node.meta["val"].dim() - 1,
-    ]:
-        return node.args[0]
-    return None
-
-
-def _product(left: Any, right: Any) -> dict[Key, float]:
-    cl, bl = scaled(left)
-    cr, br = scaled(right)
-    return {("mm", bl, br): cl * cr}
-
-
-def lincomb(node: Any, stops: frozenset[fx.Node] = frozenset()) -> dict[Key, float]:
-    """``node`` as a linear combination of bases and products of bases.
-
-    Nodes in ``stops`` are bases even when they are products themselves
-    (A = X Xᵀ is a base of B = b A + c A²).
-    """
-    out: dict[Key, float] = {}
-    if node in stops:
-        return {node: 1.0}
-
-    def add(terms: dict[Key, float], weight: float) -> None:
-        for key, coef in terms.items():
-            out[key] = out.get(key, 0.0) + weight * coef
-
-    if _is(node, aten.addmm.default, aten.baddbmm.default):
-        add(lincomb(node.args[0], stops), float(node.kwargs.get("beta", 1.0)))
-        add(_product(node.args[1], node.args[2]), float(node.kwargs.get("alpha", 1.0)))
-    elif _is(node, aten.add.Tensor, aten.sub.Tensor) and isinstance(node.args[1], fx.Node):
-        sign = 1.0 if node.target is aten.add.Tensor else -1.0
-        add(lincomb(node.args[0], stops), 1.0)
-        add(lincomb(node.args[1], stops), sign * float(node.kwargs.get("alpha", 1.0)))
-    elif _is(node, aten.mul.Tensor) and _number(node.args[1]):
-        add(lincomb(node.args[0], stops), float(node.args[1]))
-    elif _is(node, aten.mm.default, aten.bmm.default):
-        add(_product(node.args[0], node.args[1]), 1.0)
-    else:
-        out[node] = 1.0
-    return out
+Coefficients = tuple[float, float, float]
+_SEARCH_LIMIT = 256  # nodes visited looking for one iteration (one is ~10)
+_NO_ITERATIONS = "normalised matrix is not followed by a·X + (b·A + c·A²)·X iterations"
 
 
 @dataclass
@@ -123,9 +95,10 @@ class _Chain:
     source: fx.Node  # the tensor before cast/transpose: the op's input
     eps: Any
     eps_mode: str
-    transpose: bool
+    input_scale: float  # multiply the source by this first (a safety factor with a hyperparameter eps)
+    transpose: bool  # iterate on the source's transpose (it is tall)
     compute_dtype: torch.dtype
-    coefficients: list[tuple[float, float, float]]
+    coefficients: list[Coefficients]
     end: fx.Node  # its users read the op's result instead
 
 
@@ -139,10 +112,11 @@ class FuseNewtonSchulz(Pass):
         fused = 0
         fused_ends: list[fx.Node] = []
         reasons: list[str] = []
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in list(gm.graph.nodes):
-            if node.graph is not gm.graph or not _is(node, aten.div.Tensor):
+            if node.graph is not gm.graph or not is_call(node, aten.div.Tensor):
                 continue
-            chain, reason = _match(node)
+            chain, reason = _match(node, order)
             if chain is not None and any(chain.end is n for n in fused_ends):
                 continue
             if chain is None:
@@ -165,133 +139,178 @@ class FuseNewtonSchulz(Pass):
 
 
 def _gram_of(node: Any) -> Any:
-    """X if node is X Xᵀ (mm/bmm of X with its transpose), else None."""
-    if not _is(node, aten.mm.default, aten.bmm.default):
+    """X if node is X Xᵀ or Xᵀ X (mm/bmm of X with its transpose), else None."""
+    if not is_call(node, aten.mm.default, aten.bmm.default):
         return None
     left, right = node.args[0], node.args[1]
-    return left if _transposed(right) is left else None
+    if transposed(right) is left:
+        return left
+    return right if transposed(left) is right else None
 
 
-def _normalization(div: fx.Node) -> tuple[Any, Any, str] | None:
-    """(x, eps, mode) if div is x / clamp(‖x‖, eps) or x / (‖x‖ + eps)."""
-    x, denom = div.args[0], div.args[1]
-    if _is(denom, aten.expand.default):
-        denom = denom.args[0]
-    if _is(denom, aten.clamp.default, aten.clamp_min.default) and len(denom.args) >= 2:
-        if _is(denom, aten.clamp.default) and len(denom.args) > 2 and denom.args[2] is not None:
-            return None  # an upper clamp is not a normalisation
-        norm, eps, mode = denom.args[0], denom.args[1], "clamp"
-    elif _is(denom, aten.add.Tensor) and _scalar_arg(denom.args[1]):
-        norm, eps, mode = denom.args[0], denom.args[1], "add"
-    else:
-        return None
-    if not _is(norm, aten.linalg_vector_norm.default) or norm.args[0] is not x:
-        return None
-    ord_: Any = norm.args[1] if len(norm.args) > 1 else norm.kwargs.get("ord", 2)
-    dims = norm.args[2] if len(norm.args) > 2 else norm.kwargs.get("dim")
-    ndim = x.meta["val"].dim()
-    if float(ord_) != 2.0:
-        return None
-    if dims is not None and sorted(d % ndim for d in dims) != [ndim - 2, ndim - 1]:
-        return None
-    if dims is None and ndim != 2:
-        return None  # a norm over the whole batch is not per-matrix
-    return x, eps, mode
+# ------------------------------------------------------------------ the chain
 
 
-def _scalar_arg(arg: Any) -> bool:
-    """A constant or a host scalar (hyperparameter) input."""
-    return _number(arg) or (
-        isinstance(arg, fx.Node) and arg.op == "placeholder" and isinstance(arg.meta.get(ROLE), Expr)
-    )
-
-
-def _match(div: fx.Node) -> tuple[_Chain | None, str]:
-    norm = _normalization(div)
+def _match(div: fx.Node, order: dict[fx.Node, int]) -> tuple[_Chain | None, str]:
+    norm = normalization(div)
     if norm is None:
         return None, ""  # an ordinary division: not a candidate, nothing to report
-    start, eps, eps_mode = norm
-    X: fx.Node = div
-    # emerging-optimizers normalises in fp32, then casts to bf16 for the iterations.
-    if len(X.users) == 1 and _is(next(iter(X.users)), aten._to_copy.default) and _only_dtype(next(iter(X.users))):
-        X = next(iter(X.users))
-    compute = X.meta["val"].dtype
-    coefficients: list[tuple[float, float, float]] = []
-    while (step := _iteration(X)) is not None:
-        coefficients.append(step[0])
-        X = step[1]
-    if not coefficients:
-        return None, "normalised matrix is not followed by a·X + (b·A + c·A²)·X iterations"
-    source, transpose = start, False
-    for _ in range(2):  # a cast and a transpose, in either order
-        if (inner := _transposed(source)) is not None and not transpose:
-            source, transpose = inner, True
-        elif _is(source, aten._to_copy.default) and _only_dtype(source):
-            source = source.args[0]
-    end = X
-    if len(end.users) == 1 and _is(next(iter(end.users)), aten._to_copy.default) and _only_dtype(
-        next(iter(end.users))
-    ):
-        end = next(iter(end.users))  # emerging casts back to fp32 before transposing back
-    if transpose:
-        back = [u for u in end.users if _transposed(u) is end]
-        if len(back) != 1 or len(end.users) != 1:
-            return None, "transposed to wide but the result is not transposed back"
-        end = back[0]
-    return _Chain(source, eps, eps_mode, transpose, compute, coefficients, end), ""
+    if isinstance(norm, str):
+        return None, norm
+    numerator = back_through_layout(norm.x)
+    source = numerator[-1]
+    if back_through_layout(norm.y)[-1] is not source:
+        return None, f"the norm is taken of {norm.y.name}, not of the matrix {norm.x.name} it divides"
+    X = div
+    while len(X.users) == 1 and layout_step(next(iter(X.users))) is X:
+        X = next(iter(X.users))  # cast to the iteration dtype and/or transpose to wide after normalising
+    preamble = list(reversed(numerator)) + _forward(div, X)
+    if not one_dtype_change(preamble):
+        return None, f"{source.name} is cast through more than one dtype before the iterations"
+    flips = sum(1 for n in preamble if transposed(n) is not None)
+    iterations: list[_Iteration] = []
+    step = _next_iterate(X, order)
+    while isinstance(step, tuple):
+        whole, core = step
+        # A scale or transpose after the last iteration stays outside the op; between two
+        # iterations it belongs to the first (its coefficients stay the ones eager wrote).
+        step = _next_iterate(whole.node, order)
+        iterations.append(whole if isinstance(step, tuple) else core)
+    if not iterations:
+        return None, f"{_NO_ITERATIONS} ({step})"
+    coefficients = [it.coefficients for it in iterations]
+    X = iterations[-1].node
+    flips += sum(it.flipped for it in iterations)  # iterations on Xᵀ (transposes folded into readers)
+    shifted = any(it.shifted for it in iterations)  # some iteration adds a·I: X = (a I + B) X
+    compute = preamble[-1].meta["val"].dtype
+    if shifted and compute in (torch.float32, torch.float64):
+        # Measured (16x32 to 64x256, fp32): (a I + B) X is 1.5-2x closer to fp64 than the op's
+        # a X + B X, outside the 1.25x budget; in bf16 it is the other way round (2x).
+        return None, f"eager computes (a·I + B)·X in {compute}, more accurate there than the op's a·X + B·X"
+    end = _end(X, flips % 2)
+    if end is None:
+        return None, "transposed to wide but the result is not transposed back"
+    scale = norm.s_in * norm.s_out
+    if scale != 1.0:
+        a, b, c = coefficients[0]
+        coefficients[0] = (a / scale, b / scale**3, c / scale**5)
+    eps, input_scale = norm.eps, 1.0
+    if norm.s_in != 1.0 and is_number(eps):
+        eps = float(eps) / norm.s_in
+    elif norm.s_in != 1.0:
+        input_scale = norm.s_in
+    # Iterate on the wide side: eager's own side except where it formed the large, rank-deficient
+    # Gram matrix of a tall X (more FLOPs, and Gram NS diverges on it: measured 5e9 relative error).
+    rows, cols = source.meta["val"].shape[-2:]
+    transpose = bool(rows > cols)
+    return _Chain(source, eps, norm.eps_mode, input_scale, transpose, compute, coefficients, end), ""
 
 
-def _only_dtype(node: fx.Node) -> bool:
-    return set(node.kwargs) <= {"dtype"} and len(node.args) == 1
+def _forward(start: fx.Node, stop: fx.Node) -> list[fx.Node]:
+    """The single-user path start → stop (both included)."""
+    path = [start]
+    while path[-1] is not stop:
+        path.append(next(iter(path[-1].users)))
+    return path
 
 
-def _iteration(X: fx.Node) -> tuple[tuple[float, float, float], fx.Node] | None:
-    """Match one iteration starting at X: returns (a, b, c) and the new X."""
-    grams = [u for u in X.users if _is(u, aten.permute.default, aten.transpose.int) and _transposed(u) is X]
-    for t in grams:
-        for A in t.users:
-            if _gram_of(A) is not X:
-                continue
-            for candidate in _later_users(X):
-                terms = lincomb(candidate, frozenset({X}))
-                found = _update_terms(terms, X, A)
-                if found is None:
-                    continue
-                return found[0], candidate
-    return None
+def _end(last: fx.Node, flips: int) -> fx.Node | None:
+    """The chain's last node: after the last iterate, at most one cast and transposes back to the
+    input's orientation (``flips`` transposes are pending); None if it never gets back."""
+    end = last if flips == 0 else None
+    node, casts = last, 0
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if transposed(user) is node:
+            flips ^= 1
+        elif is_cast(user) and casts == 0:
+            casts += 1
+        else:  # a second cast would round twice; a copy stays (its layout may be what a view needs)
+            break
+        node = user
+        if flips == 0:
+            end = node
+    return end
 
 
-def _later_users(X: fx.Node) -> list[fx.Node]:
-    """Nodes that read X directly or through a scalar multiple (candidates for a X + B X)."""
-    out: list[fx.Node] = []
-    frontier = list(X.users)
-    seen: set[fx.Node] = set()
-    while frontier:
-        node = frontier.pop(0)
-        if node in seen or len(seen) > 64:
+@dataclass(frozen=True)
+class _Iteration:
+    coefficients: Coefficients
+    node: fx.Node  # the new iterate
+    flipped: int  # 1: a polynomial in Xᵀ
+    shifted: bool  # adds a multiple of the identity (Horner form)
+
+
+def _next_iterate(X: fx.Node, order: dict[fx.Node, int]) -> tuple[_Iteration, _Iteration] | str:
+    """The next iteration after X, whole and without a trailing scale or transpose; else why there is none.
+
+    Every node reachable from X through products, linear combinations and
+    transposes is expanded as a polynomial in X; the iterate is the last one
+    (in graph order) that is an odd quintic in X (or in Xᵀ: canonicalize folds
+    ``(Xᵀ)ᵀ`` to X, so an iteration on a transposed X reads X directly) and
+    *closed*: nothing outside the subgraph computing it reads any of its nodes.
+    """
+    ex = Expansion(frozenset({X}))
+    val = X.meta["val"]
+    found: dict[fx.Node, tuple[Coefficients, int]] = {}
+    why: dict[fx.Node, str] = {}
+    frontier, seen = list(X.users), set[fx.Node]()
+    while frontier and len(seen) < _SEARCH_LIMIT:
+        node = frontier.pop()
+        if node in seen or ex.is_letter(node):
             continue
         seen.add(node)
-        out.append(node)
-        if _is(node, aten.mul.Tensor, aten.mm.default, aten.bmm.default):
+        poly = ex.poly(node)
+        if poly is None:
+            continue  # degree above 5: neither it nor anything after it is one iteration
+        shape = tuple(node.meta["val"].shape)
+        same = shape in (tuple(val.shape), tuple(val.mT.shape)) and node.meta["val"].dtype == val.dtype
+        others = {n for word in poly for n, _ in word if n is not X}
+        if not others:
             frontier += list(node.users)
-    return out
+        if not same:
+            continue
+        leak = _leak(ex, node)
+        coefficients, flipped = odd_coefficients(poly, X), 0
+        if isinstance(coefficients, str) and isinstance(of_transpose := odd_coefficients(poly, X, True), tuple):
+            coefficients, flipped = of_transpose, 1  # an odd polynomial in Xᵀ has Xᵀ's shape
+        if others or isinstance(coefficients, str):
+            # Only what looks like a whole iteration (a X + more, nothing else reading its parts) says
+            # why it is not one; a part (A, A², X * a) says nothing.
+            linear = poly.get(((X, False),), 0.0) or poly.get(((X, True),), 0.0)
+            if leak is None and linear and len(poly) > 1:
+                detail = f"it mixes in {sorted(n.name for n in others)}" if others else str(coefficients)
+                why[node] = f"{node.name}: {detail}"
+            continue
+        if leak is not None:
+            why[node] = f"{leak[0].name} is also read by {leak[1].name}, outside the iteration {node.name}"
+            continue
+        found[node] = coefficients, flipped
+    if not found:
+        if why:  # the latest candidate got furthest
+            return why[max(why, key=lambda n: order.get(n, -1))]
+        if ex.too_high:
+            return f"{ex.too_high[0].name} is a product of degree above 5 in {X.name}"
+        return f"no X Xᵀ product of {X.name}"
+    node = core = max(found, key=lambda n: order.get(n, -1))
+    # A scalar multiple (``X * 0.2``, ``X.mul(1.0)``) or the transpose of an iterate: that iterate, then
+    # a scale or a transpose.
+    while (below := transposed(core)) in found or (
+        is_call(core, aten.mul.Tensor, aten.div.Tensor, aten.neg.default) and (below := core.args[0]) in found
+    ):
+        core = below
+
+    def iteration(n: fx.Node) -> _Iteration:
+        shifted = any(identity_shift(m) is not None for m in ex.inside(n))
+        return _Iteration(found[n][0], n, found[n][1], shifted)
+
+    return iteration(node), iteration(core)
 
 
-def _update_terms(terms: dict[Key, float], X: fx.Node, A: fx.Node) -> tuple[tuple[float, float, float], Any] | None:
-    if len(terms) != 2 or X not in terms:
-        return None
-    (prod,) = [k for k in terms if k is not X]
-    if not (isinstance(prod, tuple) and prod[0] == "mm" and prod[2] is X):
-        return None
-    B, scale = prod[1], terms[prod]
-    b_terms = lincomb(B, frozenset({A}))
-    allowed = {A, ("mm", A, A)}
-    if not set(b_terms) <= allowed or A not in b_terms:
-        return None
-    a = terms[X]
-    b = scale * b_terms[A]
-    c = scale * b_terms.get(("mm", A, A), 0.0)
-    return (a, b, c), B
+def _leak(ex: Expansion, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """A node of the subgraph computing ``node`` that something outside it reads, and that reader."""
+    inside = ex.inside(node)
+    return next(((n, u) for n in inside - {node} for u in n.users if u not in inside and reads(u, n)), None)
 
 
 def _replace(gm: fx.GraphModule, chain: _Chain) -> None:
@@ -302,21 +321,26 @@ def _replace(gm: fx.GraphModule, chain: _Chain) -> None:
     """
     coeffs = chain.coefficients
     out_val = chain.end.meta["val"]
-    args: tuple[Any, ...] = (
-        chain.source,
-        [a for a, _, _ in coeffs],
-        [b for _, b, _ in coeffs],
-        [c for _, _, c in coeffs],
-        chain.eps,
-        chain.eps_mode,
-        chain.transpose,
-        chain.compute_dtype,
-        out_val.dtype,
-        "standard",
-        [],
-        "native",
-    )
+    source_val = chain.source.meta["val"]
     with gm.graph.inserting_before(chain.end):
+        x = chain.source
+        if chain.input_scale != 1.0:
+            x = gm.graph.call_function(aten.mul.Tensor, (chain.source, chain.input_scale))
+            x.meta["val"] = source_val * chain.input_scale
+        args: tuple[Any, ...] = (
+            x,
+            [a for a, _, _ in coeffs],
+            [b for _, b, _ in coeffs],
+            [c for _, _, c in coeffs],
+            chain.eps,
+            chain.eps_mode,
+            chain.transpose,
+            chain.compute_dtype,
+            out_val.dtype,
+            "standard",
+            [],
+            "native",
+        )
         op = gm.graph.call_function(torch.ops.hocompile.newton_schulz.default, args)
     op.meta["val"] = out_val
     chain.end.replace_all_uses_with(op)
