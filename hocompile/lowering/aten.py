@@ -70,9 +70,10 @@ def lower_to_aten(
     body = f"{header}\n{code.src}"
     # An entry that differs from ``body`` (corrupt, stale, or code that would
     # not import) is rewritten; the module run is always ``body`` itself.
-    # Two graphs that print alike can still name their nodes differently: the
-    # file is named by the code itself too, so they never overwrite each other.
-    entry_key = hashlib.sha256(f"{key}\n{code.src}".encode()).hexdigest()
+    # Two graphs that print alike can still name their nodes differently (and two
+    # optimizer classes share a graph): the file is named by its whole text too,
+    # so entries never overwrite each other.
+    entry_key = hashlib.sha256(f"{key}\n{body}".encode()).hexdigest()
     module, path, from_disk = load_generated(cache, entry_key, body, dict(code.globals))
     forward = module.forward
 
