@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .ops_schema import NewtonSchulzSpec, newton_schulz_op
+
 ORIGIN = "hocompile.origin"
 ROLE = "hocompile.role"
 DECISION = "hocompile.decision"
@@ -156,13 +158,12 @@ def _format_arg(arg: Any, names: dict[fx.Node, str]) -> str:
     return repr(arg)
 
 
-def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> list[str]:
+def _format_newton_schulz(node: fx.Node, names: dict[fx.Node, str]) -> list[str]:
     """(a, b, c) per iteration grouped into runs: ``(3.4445, -4.775, 2.0315)x5``."""
-    x, a, b, c, eps, eps_mode, transpose, compute, out, algorithm, restarts, matmul, *rest = args
-    blocks = int(rest[0]) if rest else 0
-    schedule = str(rest[1]) if len(rest) > 1 else ""
+    spec = NewtonSchulzSpec.from_node(node)
+    blocks, schedule, restarts = int(spec.blocks), str(spec.schedule), spec.restarts
     runs: list[list[Any]] = []
-    for triple in zip(a, b, c):
+    for triple in spec.coefficients:
         if runs and runs[-1][0] == triple:
             runs[-1][1] += 1
         else:
@@ -170,17 +171,17 @@ def _format_newton_schulz(args: tuple[Any, ...], names: dict[fx.Node, str]) -> l
     coeffs = " + ".join(
         f"({', '.join(repr(float(v)) for v in t)})" + (f"x{n}" if n > 1 else "") for t, n in runs
     )
-    where = f"{algorithm}" + (f" restart {list(restarts)}" if restarts else "")
+    where = f"{spec.algorithm}" + (f" restart {list(restarts)}" if restarts else "")
     where += f" sym{blocks}x{blocks}" if blocks > 1 else ""
     where += f" schedule {schedule}" if schedule else ""
     return [
-        _format_arg(x, names),
+        _format_arg(spec.x, names),
         f"[{coeffs}]",
-        f"eps={_format_arg(eps, names)} {eps_mode}",
-        "transpose" if transpose else "wide",
-        f"{_format_arg(compute, names)}->{_format_arg(out, names)}",
+        f"eps={_format_arg(spec.eps, names)} {spec.eps_mode}",
+        "transpose" if spec.transpose else "wide",
+        f"{_format_arg(spec.compute_dtype, names)}->{_format_arg(spec.out_dtype, names)}",
         where,
-        matmul,
+        spec.matmul,
     ]
 
 
@@ -216,7 +217,7 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
             lines.append(f"  {names[node]}: {describe_value(value)} = constant({shown})  # capture")
             continue
         if _target_name(node.target) == "hocompile.newton_schulz":
-            args = _format_newton_schulz(node.args, names)
+            args = _format_newton_schulz(node, names)
         else:
             args = [_format_arg(a, names) for a in node.args]
             args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
@@ -234,7 +235,10 @@ def decisions(gm: fx.GraphModule) -> list[str]:
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if DECISION in node.meta:
-            src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+            first = NewtonSchulzSpec.from_node(node).x if node.target is newton_schulz_op() else None
+            if first is None and node.args:
+                first = node.args[0]
+            src = first.meta.get("val") if isinstance(first, fx.Node) else None
             line = f"{_target_name(node.target)} {describe_value(src)}: {node.meta[DECISION]}"
             counts[line] = counts.get(line, 0) + 1
     return [line if n == 1 else f"{n} x {line}" for line, n in counts.items()]

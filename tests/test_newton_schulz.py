@@ -15,6 +15,7 @@ import hocompile
 from hocompile.capture import capture
 from hocompile.host_scalars import STRUCTURAL_KEYS
 from hocompile.newton_schulz import flops, newton_schulz, reference_fp64
+from hocompile.ops_schema import NewtonSchulzSpec
 from hocompile.passes import BatchByShape, Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, run_pipeline
 from hocompile.passes.choose_algorithm import decide
 from hocompile.targets import Target
@@ -40,7 +41,11 @@ def _fused(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> tuple[list
 
 
 def _coefficients(node: torch.fx.Node) -> list[tuple[float, float, float]]:
-    return list(zip(node.args[1], node.args[2], node.args[3]))  # type: ignore[arg-type]
+    return NewtonSchulzSpec.from_node(node).coefficients
+
+
+def _input(node: torch.fx.Node) -> torch.Tensor:
+    return NewtonSchulzSpec.from_node(node).x_node.meta["val"]
 
 
 def _assert_coefficients(node: torch.fx.Node, expected: list[tuple[float, float, float]]) -> None:
@@ -59,8 +64,9 @@ def test_torch_muon_recognised() -> None:
     assert len(ops) == len(params) and leftover == []
     for node, p in zip(ops, params):
         _assert_coefficients(node, KJ)
-        assert node.args[6] == (p.shape[0] > p.shape[1])  # transposed to wide
-        assert node.args[7] == torch.bfloat16 and node.args[5] == "clamp"
+        spec = NewtonSchulzSpec.from_node(node)
+        assert spec.transpose == (p.shape[0] > p.shape[1])  # transposed to wide
+        assert spec.compute_dtype == torch.bfloat16 and spec.eps_mode == "clamp"
 
 
 def test_keller_jordan_function_in_a_user_optimizer_recognised() -> None:
@@ -69,7 +75,8 @@ def test_keller_jordan_function_in_a_user_optimizer_recognised() -> None:
     assert len(ops) == len(params) and leftover == []
     for node in ops:
         _assert_coefficients(node, KJ)
-        assert node.args[5] == "add" and node.args[4] == 1e-7
+        spec = NewtonSchulzSpec.from_node(node)
+        assert spec.eps_mode == "add" and spec.eps == 1e-7
 
 
 @pytest.mark.parametrize("prec", ["medium", "high", "highest"])
@@ -81,8 +88,9 @@ def test_emerging_muon_recognised(kind: str, prec: str) -> None:
     assert len(ops) == len(params) and leftover == []
     for node in ops:
         _assert_coefficients(node, emerging_coefficients(kind, 5))
-        assert node.args[7] == (torch.bfloat16 if prec == "medium" else torch.float32)
-        assert node.args[8] == torch.float32
+        spec = NewtonSchulzSpec.from_node(node)
+        assert spec.compute_dtype == (torch.bfloat16 if prec == "medium" else torch.float32)
+        assert spec.out_dtype == torch.float32
 
 
 def test_emerging_batched_baddbmm_path_and_cubic_recognised() -> None:
@@ -350,15 +358,15 @@ def test_one_newton_schulz_op_per_shape_group(impl: str) -> None:
     factory = {"torch": torch.optim.Muon, "user": UserMuon, "emerging": emerging_muon}[impl]
     ops, record = _batched(factory(params), params)
     # 24x96 and 96x24 share a batch through the transpose: 3 groups of 3, 3, 6
-    assert sorted(int(n.args[0].meta["val"].shape[0]) for n in ops) == [3, 3, 6]
+    assert sorted(int(_input(n).shape[0]) for n in ops) == [3, 3, 6]
     assert record.summary == "12 ops in 3 batched op(s)"
 
 
 def test_batch_cap_splits_groups() -> None:
     params = make_params([(8, 16)] * 5)
     ops, _ = _batched(torch.optim.Muon(params), params, max_batch=2)
-    batched = [tuple(n.args[0].meta["val"].shape) for n in ops if n.args[0].meta["val"].dim() == 3]
-    single = [tuple(n.args[0].meta["val"].shape) for n in ops if n.args[0].meta["val"].dim() == 2]
+    batched = [tuple(_input(n).shape) for n in ops if _input(n).dim() == 3]
+    single = [tuple(_input(n).shape) for n in ops if _input(n).dim() == 2]
     assert batched == [(2, 8, 16), (2, 8, 16)] and single == [(8, 16)]  # chunks of 2, 2 and a lone 1
 
 

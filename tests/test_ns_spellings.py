@@ -29,6 +29,7 @@ import torch
 import hocompile
 from hocompile.capture import capture
 from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.ops_schema import NewtonSchulzSpec
 from hocompile.passes import Canonicalize, FuseNewtonSchulz, run_pipeline
 
 from .helpers import EXACT, Pair, emerging_coefficients, make_params
@@ -289,7 +290,7 @@ def _fused_graph(ns: Callable[..., torch.Tensor], shapes: Any) -> tuple[torch.fx
 
 
 def _assert_coefficients(node: torch.fx.Node, expected: Coefficients) -> None:
-    got = list(zip(node.args[1], node.args[2], node.args[3]))  # type: ignore[arg-type]
+    got = NewtonSchulzSpec.from_node(node).coefficients
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         assert g == pytest.approx(e, rel=1e-12, abs=1e-12)
@@ -307,21 +308,22 @@ def test_one_newton_schulz_op_per_matrix(name: str) -> None:
     assert len(ops) == len(spelling.shapes) and matmuls == [], records[-1].summary
     for node in ops:
         _assert_coefficients(node, spelling.coefficients)
-        x = node.args[0].meta["val"]  # type: ignore[union-attr]
-        assert node.args[6] == (x.shape[-2] > x.shape[-1])  # iterates on the wide side
-        assert node.args[7] == torch.bfloat16  # the dtype eager's iterations run in
+        spec = NewtonSchulzSpec.from_node(node)
+        x = spec.x_node.meta["val"]
+        assert spec.transpose == (x.shape[-2] > x.shape[-1])  # iterates on the wide side
+        assert spec.compute_dtype == torch.bfloat16  # the dtype eager's iterations run in
 
 
 def test_safety_factor_folds_into_eps_or_scales_the_input() -> None:
     """A constant eps becomes eps/s; a hyperparameter eps stays, and the input is scaled by s instead."""
     gm, _ = _fused_graph(polar_express, [(16, 32)])
-    (op,) = [n for n in gm.graph.nodes if n.target is NS]
-    assert op.args[4] == pytest.approx(1e-7 / 1.02) and op.args[5] == "add"
+    (op,) = [NewtonSchulzSpec.from_node(n) for n in gm.graph.nodes if n.target is NS]
+    assert op.eps == pytest.approx(1e-7 / 1.02) and op.eps_mode == "add"
     gm, _ = _fused_graph(torch_style_with_safety, [(16, 32)])
-    (op,) = [n for n in gm.graph.nodes if n.target is NS]
-    scaled = op.args[0]
-    assert scaled.target is torch.ops.aten.mul.Tensor and scaled.args[1] == 1.05  # type: ignore[union-attr]
-    assert op.args[4].op == "placeholder" and op.args[5] == "clamp"  # type: ignore[union-attr]
+    (op,) = [NewtonSchulzSpec.from_node(n) for n in gm.graph.nodes if n.target is NS]
+    scaled = op.x_node
+    assert scaled.target is torch.ops.aten.mul.Tensor and scaled.args[1] == 1.05
+    assert isinstance(op.eps, torch.fx.Node) and op.eps.op == "placeholder" and op.eps_mode == "clamp"
 
 
 @pytest.mark.parametrize("steps", [1, 3, 12])

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 import hocompile
+from hocompile.ops_schema import NewtonSchulzSpec
 from hocompile.passes import Pass, PassResult, default_pipeline
 from hocompile.runtime import CompiledOptimizer
 from hocompile.runtime import verify as verify_module
@@ -39,9 +40,8 @@ class DropLastIteration(Pass):
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         for node in gm.graph.nodes:
             if node.target is NS:
-                args = list(node.args)
-                args[1:4] = [list(coefficients[:-1]) for coefficients in args[1:4]]
-                node.args = tuple(args)
+                spec = NewtonSchulzSpec.from_node(node)
+                spec.replace(a=spec.a[:-1], b=spec.b[:-1], c=spec.c[:-1]).apply(node)
         gm.recompile()
         return PassResult(gm, True, "dropped one iteration")
 

@@ -28,13 +28,14 @@ targets.cpu_target), so there the pass declines unless ``force=True``.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 
 from ..graph import stable_topological_sort
+from ..ops_schema import NewtonSchulzSpec
 from ..targets import Target
 from .base import Pass, PassResult
 
@@ -43,12 +44,13 @@ NS = "hocompile.newton_schulz"
 
 
 def _key(node: fx.Node) -> tuple[Any, ...]:
-    x = node.args[0].meta["val"]  # type: ignore[union-attr]
+    """Ops batch together when they agree on everything but their input (tall ones as their transpose)."""
+    spec = NewtonSchulzSpec.from_node(node)
+    x = spec.x_node.meta["val"]
     rows, cols = int(x.shape[-2]), int(x.shape[-1])
-    wide = (cols, rows) if node.args[6] else (rows, cols)
-    coeffs = (tuple(node.args[1]), tuple(node.args[2]), tuple(node.args[3]))  # type: ignore[arg-type]
-    eps = node.args[4]
-    return (wide, x.dtype, coeffs, eps, *node.args[5:6], *node.args[7:])  # type: ignore[misc]
+    wide = (cols, rows) if spec.transpose else (rows, cols)
+    options = tuple(getattr(spec, f.name) for f in fields(spec) if f.name not in ("x", "transpose"))
+    return (wide, x.dtype, *options)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class BatchByShape(Pass):
         groups: dict[tuple[Any, ...], list[fx.Node]] = {}
         declined: list[str] = []
         for node in ops:
-            if node.args[0].meta["val"].dim() != 2:  # type: ignore[union-attr]
+            if NewtonSchulzSpec.from_node(node).x_node.meta["val"].dim() != 2:
                 declined.append(self.decline(f"{node.name}: input already batched"))
                 continue
             groups.setdefault(_key(node), []).append(node)
@@ -104,24 +106,24 @@ def _batch(gm: fx.GraphModule, chunk: list[fx.Node]) -> None:
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):  # placed anywhere; the topological sort fixes order
         inputs = []
-        for node in chunk:
-            x = node.args[0]
-            if node.args[6]:  # tall: batch its transpose with the wide ones
-                x = _call(graph, aten.permute.default, (x, [1, 0]), _t(x.meta["val"]))  # type: ignore[union-attr]
+        specs = [NewtonSchulzSpec.from_node(node) for node in chunk]
+        for spec in specs:
+            x = spec.x_node
+            if spec.transpose:  # tall: batch its transpose with the wide ones
+                x = _call(graph, aten.permute.default, (x, [1, 0]), _t(x.meta["val"]))
             inputs.append(x)
         first = chunk[0]
-        vals = [x.meta["val"] for x in inputs]  # type: ignore[union-attr]
+        vals = [x.meta["val"] for x in inputs]
         stacked = _call(graph, aten.stack.default, (inputs,), torch.stack(vals))
-        args = list(first.args)
-        args[0], args[6] = stacked, False
+        args = specs[0].replace(x=stacked, transpose=False).to_args()
         out_vals = [n.meta["val"] for n in chunk]
-        wide_outs = [_t(v) if n.args[6] else v for n, v in zip(chunk, out_vals)]
-        batched = _call(graph, first.target, tuple(args), torch.stack(wide_outs))
+        wide_outs = [_t(v) if s.transpose else v for s, v in zip(specs, out_vals)]
+        batched = _call(graph, first.target, args, torch.stack(wide_outs))
         batched.meta.update({k: v for k, v in first.meta.items() if k.startswith("hocompile.decision")})
         parts = _call(graph, aten.unbind.int, (batched,), list(wide_outs))
-        for i, node in enumerate(chunk):
+        for i, (node, spec) in enumerate(zip(chunk, specs)):
             part = _call(graph, operator.getitem, (parts, i), wide_outs[i])
-            if node.args[6]:
+            if spec.transpose:
                 part = _call(graph, aten.permute.default, (part, [1, 0]), out_vals[i])
             node.replace_all_uses_with(part)
     for node in chunk:

@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ..graph import DECISION
 from ..newton_schulz import flops
+from ..ops_schema import NewtonSchulzSpec
 from ..targets import Target
 from .base import Pass, PassResult
 
@@ -120,16 +121,22 @@ class ChooseAlgorithm(Pass):
         for node in gm.graph.nodes:
             if node.target is not torch.ops.hocompile.newton_schulz.default:
                 continue
-            x = node.args[0].meta["val"]
+            spec = NewtonSchulzSpec.from_node(node)
+            x = spec.x_node.meta["val"]
             rows, cols = int(x.shape[-2]), int(x.shape[-1])
-            m, n = (cols, rows) if node.args[6] else (rows, cols)
+            m, n = (cols, rows) if spec.transpose else (rows, cols)
             batch = int(x.shape[0]) if x.dim() == 3 else 1
-            coefficients = list(zip(node.args[1], node.args[2], node.args[3]))
-            node.meta.setdefault("hocompile.eager_dtype", node.args[7])  # choose-precision's default budget
-            plan = decide(m, n, batch, coefficients, node.args[7], self.precision, self.target)
-            args = list(node.args)
-            args[7], args[9], args[10], args[11] = plan.compute_dtype, plan.algorithm, list(plan.restarts), plan.matmul
-            node.args = tuple(args[:12]) + ((plan.blocks,) if plan.blocks else ())
+            node.meta.setdefault("hocompile.eager_dtype", spec.compute_dtype)  # choose-precision's default budget
+            plan = decide(m, n, batch, spec.coefficients, spec.compute_dtype, self.precision, self.target)
+            # A uniform plan: it replaces any earlier per-iteration schedule.
+            spec.replace(
+                compute_dtype=plan.compute_dtype,
+                algorithm=plan.algorithm,
+                restarts=tuple(plan.restarts),
+                matmul=plan.matmul,
+                blocks=plan.blocks,
+                schedule="",
+            ).apply(node)
             node.meta[DECISION] = f"{self.name}: {plan.describe()}"
             key = f"{plan.algorithm}/{_SHORT.get(plan.compute_dtype)}"
             decided[key] = decided.get(key, 0) + 1

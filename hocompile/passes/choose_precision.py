@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ..graph import DECISION
 from ..newton_schulz import flops
+from ..ops_schema import NewtonSchulzSpec
 from ..targets import Target
 from .base import Pass, PassResult
 
@@ -201,13 +202,13 @@ class ChoosePrecision(Pass):
         return PassResult(gm, True, summary, declined)
 
     def _plan(self, node: fx.Node, declined: list[str]) -> str:
-        args: Any = list(node.args)
-        x = args[0].meta["val"]
+        spec = NewtonSchulzSpec.from_node(node)
+        x = spec.x_node.meta["val"]
         rows, cols = int(x.shape[-2]), int(x.shape[-1])
-        m, n = (cols, rows) if args[6] else (rows, cols)
+        m, n = (cols, rows) if spec.transpose else (rows, cols)
         batch = int(x.shape[0]) if x.dim() == 3 else 1
-        coefficients = list(zip(args[1], args[2], args[3]))
-        algorithm = args[9]
+        coefficients = spec.coefficients
+        algorithm = spec.algorithm
         if self.schedule:
             if len(self.schedule) != len(coefficients):
                 raise ValueError(
@@ -219,12 +220,11 @@ class ChoosePrecision(Pass):
             if algorithm == "gram" and not set(schedule) <= GRAM_FORMATS:
                 # Measured: Gram NS with FP8/half-precision iterations diverges
                 # (NaN after one step of fp8_e4m3*1+fp16*4 without a restart).
-                args[9], args[10] = "standard", []
+                spec = spec.replace(algorithm="standard", restarts=())
                 note += " (standard NS: Gram NS is unsafe below fp32/tf32)"
         else:
-            eager_dtype = node.meta.get("hocompile.eager_dtype", args[7])
+            eager_dtype = node.meta.get("hocompile.eager_dtype", spec.compute_dtype)
             try:
-                blocks = int(args[12]) if len(args) > 12 else 0
                 plan = plan_schedule(
                     m,
                     n,
@@ -234,8 +234,8 @@ class ChoosePrecision(Pass):
                     eager_dtype,
                     self.target,
                     self.error_budget,
-                    tuple(args[10]),
-                    blocks,
+                    spec.restarts,
+                    int(spec.blocks),
                 )
             except KeyError as exc:
                 declined.append(self.decline(f"{node.name}: {exc.args[0]}; keeping its uniform precision"))
@@ -251,21 +251,19 @@ class ChoosePrecision(Pass):
         from ..precision.calibrate import schedule_key
 
         key = schedule_key(schedule)
-        eager_format = _EAGER_FORMAT.get(node.meta.get("hocompile.eager_dtype", args[7]), "fp32")
-        if set(schedule) == {eager_format} or (set(schedule) == {"fp32"} and args[7] == torch.float32):
+        eager_format = _EAGER_FORMAT.get(node.meta.get("hocompile.eager_dtype", spec.compute_dtype), "fp32")
+        if set(schedule) == {eager_format} or (set(schedule) == {"fp32"} and spec.compute_dtype == torch.float32):
             # Eager's own precision (or fp32): the op's compute dtype, normalised where eager rounds.
-            args[7] = _STORAGE[schedule[0]]
-            node.args = tuple(args[:12]) + tuple(args[12:13])
-        elif self.formats is not None and (args[9] != "standard" or not set(schedule) <= self.formats):
+            spec.replace(compute_dtype=_STORAGE[schedule[0]], schedule="").apply(node)
+        elif self.formats is not None and (spec.algorithm != "standard" or not set(schedule) <= self.formats):
             missing = sorted(set(schedule) - self.formats)
-            why = f"no kernels for {missing}" if missing else f"no scheduled {args[9]} NS kernels"
+            why = f"no kernels for {missing}" if missing else f"no scheduled {spec.algorithm} NS kernels"
             node.meta[DECISION] = str(node.meta[DECISION]) + f" (recorded, not applied: {why})"
             return f"planned {key} (not applied: {why})"
         else:
             # Anything else runs as a schedule: normalised in fp32 first (a
             # uniform fp16 cast of the raw input would underflow tiny norms).
-            args += [0] * (13 - len(args))
-            node.args = tuple(args[:13]) + (key,)
+            spec.replace(schedule=key).apply(node)
         return key
 
 

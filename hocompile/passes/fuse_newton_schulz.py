@@ -71,7 +71,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from .. import ops  # noqa: F401  (registers hocompile::newton_schulz)
+from ..ops_schema import NewtonSchulzSpec
 from .base import Pass, PassResult
 from .matrix_polynomial import (
     Expansion,
@@ -327,20 +327,20 @@ def _replace(gm: fx.GraphModule, chain: _Chain) -> None:
         if chain.input_scale != 1.0:
             x = gm.graph.call_function(aten.mul.Tensor, (chain.source, chain.input_scale))
             x.meta["val"] = source_val * chain.input_scale
-        args: tuple[Any, ...] = (
-            x,
-            [a for a, _, _ in coeffs],
-            [b for _, b, _ in coeffs],
-            [c for _, _, c in coeffs],
-            chain.eps,
-            chain.eps_mode,
-            chain.transpose,
-            chain.compute_dtype,
-            out_val.dtype,
-            "standard",
-            [],
-            "native",
+        spec = NewtonSchulzSpec(
+            x=x,
+            a=tuple(a for a, _, _ in coeffs),
+            b=tuple(b for _, b, _ in coeffs),
+            c=tuple(c for _, _, c in coeffs),
+            eps=chain.eps,
+            eps_mode=chain.eps_mode,
+            transpose=chain.transpose,
+            compute_dtype=chain.compute_dtype,
+            out_dtype=out_val.dtype,
+            algorithm="standard",
+            restarts=(),
+            matmul="native",
         )
-        op = gm.graph.call_function(torch.ops.hocompile.newton_schulz.default, args)
+        op = gm.graph.call_function(torch.ops.hocompile.newton_schulz.default, spec.to_args())
     op.meta["val"] = out_val
     chain.end.replace_all_uses_with(op)

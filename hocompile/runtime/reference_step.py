@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import CapturedStep, slot_tensor
 from ..graph import ROLE, InputSlot
+from ..ops_schema import NewtonSchulzSpec, newton_schulz_op
 
 if TYPE_CHECKING:
     from .compiled_optimizer import CompiledEntry, CompiledOptimizer
@@ -92,7 +93,7 @@ class _Float64(fx.Interpreter):
         self.nominal = nominal
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op == "call_function" and n.target is torch.ops.hocompile.newton_schulz.default:
+        if n.op == "call_function" and n.target is newton_schulz_op():
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return self._newton_schulz(n, args, kwargs)
         return super().run_node(n)
@@ -109,28 +110,26 @@ class _Float64(fx.Interpreter):
         from ..precision.calibrate import parse_schedule_key
         from ..precision.schedule_ns import newton_schulz_scheduled
 
-        schema = torch.ops.hocompile.newton_schulz.default._schema
-        op: dict[str, Any] = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-        op.update(zip((a.name for a in schema.arguments), args))
-        op.update(kwargs)
-        x, coefficients = op["x"].double(), list(zip(op["a"], op["b"], op["c"]))
-        eps, eps_mode, transpose = float(op["eps"]), str(op["eps_mode"]), bool(op["transpose"])
+        op = NewtonSchulzSpec.from_args(args, kwargs)  # runtime values: x is a tensor
+        assert isinstance(op.x, torch.Tensor)
+        x, coefficients = op.x.double(), op.coefficients
+        eps, eps_mode, transpose = float(op.eps), str(op.eps_mode), bool(op.transpose)  # type: ignore[arg-type]
         if not self.nominal:
             return newton_schulz(x, coefficients, eps, eps_mode=eps_mode, transpose=transpose,
-                                 compute_dtype=torch.float64, out_dtype=torch.float64, algorithm=op["algorithm"],
-                                 restarts=op["restarts"], matmul="native", blocks=op["blocks"])
-        eager = node.meta.get("hocompile.eager_dtype", op["compute_dtype"])
-        candidates = [_FORMAT_OF.get(eager, "fp32"), _FORMAT_OF.get(op["compute_dtype"], "fp32")]
-        if op["schedule"]:
-            candidates.append(parse_schedule_key(op["schedule"])[-1])  # NS corrects the earlier iterations
+                                 compute_dtype=torch.float64, out_dtype=torch.float64, algorithm=op.algorithm,
+                                 restarts=op.restarts, matmul="native", blocks=op.blocks)
+        eager = node.meta.get("hocompile.eager_dtype", op.compute_dtype)
+        candidates = [_FORMAT_OF.get(eager, "fp32"), _FORMAT_OF.get(op.compute_dtype, "fp32")]
+        if op.schedule:
+            candidates.append(parse_schedule_key(op.schedule)[-1])  # NS corrects the earlier iterations
         fmt = max(candidates, key=_format_roundoff)
         if fmt in ("fp64", "fp32", "bf16", "fp16"):
             compute = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
             out = newton_schulz(x, coefficients, eps, eps_mode=eps_mode, transpose=transpose,
-                                compute_dtype=compute[fmt], out_dtype=op["out_dtype"], matmul="emulate")
+                                compute_dtype=compute[fmt], out_dtype=op.out_dtype, matmul="emulate")
         else:
             out = newton_schulz_scheduled(x.float(), coefficients, eps, (fmt,) * len(coefficients),
-                                          eps_mode=eps_mode, transpose=transpose, out_dtype=op["out_dtype"])
+                                          eps_mode=eps_mode, transpose=transpose, out_dtype=op.out_dtype)
         return out.double()
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from ...graph import ROLE, InputSlot
+from ...ops_schema import NewtonSchulzSpec
 from .pointwise_ops import is_scalar_arg, supported
 
 aten = torch.ops.aten
@@ -104,8 +105,8 @@ def find_ns_groups(gm: fx.GraphModule) -> tuple[list[NSGroup], dict[fx.Node, NSR
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not NS:
             continue
-        x = node.args[0]
-        assert isinstance(x, fx.Node)
+        spec = NewtonSchulzSpec.from_node(node)
+        x = spec.x_node
         index = len(groups)
         val = x.meta["val"]
         if val.dim() == 3 and x.target is aten.stack.default and len(x.users) == 1:
@@ -121,7 +122,7 @@ def find_ns_groups(gm: fx.GraphModule) -> tuple[list[NSGroup], dict[fx.Node, NSR
             group.absorbed.update(m for m, f in zip(members, flips) if f)
             _absorb_unbind(group, node, refs)
         elif val.dim() == 2:
-            flip = bool(node.args[6])
+            flip = bool(spec.transpose)
             rows, cols = int(val.shape[0]), int(val.shape[1])
             m, n = (cols, rows) if flip else (rows, cols)
             group = NSGroup(index, node, 1, m, n, [x], [flip])

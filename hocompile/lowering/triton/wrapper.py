@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from ...graph import ORIGIN
+from ...ops_schema import NewtonSchulzSpec
 from ..writeback import readers
 from .code import CodeWriter, KernelSource
 from .ns_kernels import emit_newton_schulz
@@ -75,13 +76,13 @@ def _py(arg: Any, names: _Names) -> str:
 
 def ns_schedule(node: fx.Node) -> str:
     """The op's per-iteration precision schedule key (choose-precision), or ""."""
-    return str(node.args[13]) if len(node.args) > 13 and node.args[13] else ""
+    return str(NewtonSchulzSpec.from_node(node).schedule)
 
 
 def ns_input_dtype(node: fx.Node) -> torch.dtype:
     """The dtype of the NS workspace the pre-kernel writes: the op's compute dtype, or fp32 for a
     schedule (whose reference normalises the fp32 input; the first iteration's operands round later)."""
-    return torch.float32 if ns_schedule(node) else node.args[7]  # type: ignore[return-value]
+    return torch.float32 if ns_schedule(node) else NewtonSchulzSpec.from_node(node).compute_dtype
 
 
 def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str, upcast: str) -> WrapperPlan:
@@ -117,7 +118,7 @@ class _Emitter:
         }
         # Constant NS eps values join the scalar table after the host scalars.
         for group in ns_groups:
-            eps = group.node.args[4]
+            eps = NewtonSchulzSpec.from_node(group.node).eps
             if not isinstance(eps, fx.Node) and eps not in self.scalar_index:
                 self.scalar_index[eps] = len(self.scalar_index)
         output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -210,8 +211,9 @@ class _Emitter:
 
     def _emit_buffers(self, w: CodeWriter, units: list[Unit]) -> None:
         for group in self.ns_groups:
-            x = group.node.args[0].meta["val"]  # type: ignore[union-attr]
-            compute, out_dtype = ns_input_dtype(group.node), group.node.args[8]
+            op = NewtonSchulzSpec.from_node(group.node)
+            x = op.x_node.meta["val"]
+            compute, out_dtype = ns_input_dtype(group.node), op.out_dtype
             shape = (group.batch, group.m, group.n)
             parts = partial_count(group.m * group.n, self.arch)
             g = group.index
@@ -221,7 +223,7 @@ class _Emitter:
             w.line(f"part{g} = torch.empty(({group.batch}, {parts}), dtype=torch.float32, device=dev)")
             w.line(f"nsout{g} = torch.empty({shape}, dtype={_dtype(out_dtype)}, device=dev)")  # type: ignore[arg-type]
             self.names.expr[group.node] = (
-                f"nsout{g}" if x.dim() == 3 else self._ns_view(NSRef(g, 0, bool(group.node.args[6]), False))
+                f"nsout{g}" if x.dim() == 3 else self._ns_view(NSRef(g, 0, bool(op.transpose), False))
             )
         for node, ref in self.refs.items():
             self.names.expr[node] = self._ns_view(ref)
@@ -311,9 +313,9 @@ class _Emitter:
 
     def _emit_ns(self, w: CodeWriter, group: NSGroup) -> str:
         node = group.node
-        args: Any = node.args
-        # (blocks, args[12], is an aten option: the kernels compute symmetric products on lower tiles anyway)
-        _, a, b, c, eps, eps_mode, _, compute, out_dtype, algorithm, restarts, _ = args[:12]
+        spec = NewtonSchulzSpec.from_node(node)
+        # (spec.blocks is an aten option: the kernels compute symmetric products on lower tiles anyway)
+        eps, compute, algorithm = spec.eps, spec.compute_dtype, spec.algorithm
         eps_expr = f"scal[{self.scalar_index[eps]}]"  # a 0-d view: read on the device, never baked in
         g = group.index
         ns_lines = CodeWriter()
@@ -326,9 +328,9 @@ class _Emitter:
             batch=group.batch,
             m=group.m,
             n=group.n,
-            coefficients=list(zip(a, b, c)),
-            out_dtype=out_dtype,
-            eps_mode=eps_mode,
+            coefficients=spec.coefficients,
+            out_dtype=spec.out_dtype,
+            eps_mode=spec.eps_mode,
             arch=self.arch,
             upcast=self.upcast,
             prefix=f"ns{g}_",
@@ -344,7 +346,7 @@ class _Emitter:
             )
         else:
             origin = f"fuse-newton-schulz node {node.name}"
-            kernels = emit_newton_schulz(ns_lines, dtype=compute, restarts=list(restarts), origin=origin, **common)
+            kernels = emit_newton_schulz(ns_lines, dtype=compute, restarts=list(spec.restarts), origin=origin, **common)
         w.extend(ns_lines)
         # A scheduled NS whose last iteration is FP8 ends with one copy_ (the reference's bf16 rounding).
         launched = ns_lines.count("launch_") + ns_lines.count(".copy_(")
