@@ -20,7 +20,9 @@ rebound on the optimizer is put back even when the step raises.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,12 +40,17 @@ from .host_scalars import (
     counter_name,
     restore_groups,
     swap_in_hyperparams,
+    user_line,
 )
 from .host_state import MISSING, Change, HostSlot, HostUpdate, host_updates, needs_lifting
 from .scalars import Guard, HyperParam, ScalarProgram, ScalarTracker, build_scalar_program, input_expr, sentinel
 from .snapshot import Snapshot
 
 log = logging.getLogger("hocompile.capture")
+
+# make_fx keeps process-wide state (its patcher), and the trace patches `math`
+# and torch.distributed: one trace at a time, whoever asks (compile, plan, verify).
+_TRACE_LOCK = threading.RLock()
 
 
 def _dynamo_config_patch(**changes: Any) -> Any:
@@ -269,9 +276,10 @@ def _trace(
                 "state, or tensors captured elsewhere)"
             )
         elif "data-dependent" in str(exc):
+            where = user_line(traceback.extract_tb(exc.__traceback__))
             hint = (
-                f" (the step branches on a tensor's value in Python{_user_frame(exc)}; a data-dependent host "
-                "read cannot be compiled; fallback='eager' runs such a step eagerly)"
+                f" (the step branches on a tensor's value in Python{where}; "
+                "a data-dependent host read cannot be compiled; fallback='eager' runs such a step eagerly)"
             )
         elif any(group.get("fused") for group in opt.param_groups):
             raise CaptureError(
@@ -292,16 +300,6 @@ def _trace(
         gm, tracker, result["assigns"], result["clears"], result["changes"],
         result.get("counters", []), sorted(mode.matmul_precisions),
     )
-
-
-def _user_frame(exc: BaseException) -> str:
-    """`` at file:line`` of the innermost frame of ``exc`` outside torch and hocompile."""
-    import os
-    import traceback
-
-    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(internal)]
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def _fake_entry(
@@ -333,7 +331,8 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
     itself), so ``fallback="eager"`` covers all of them.
     """
     try:
-        return _capture(opt, structural)
+        with _TRACE_LOCK:
+            return _capture(opt, structural)
     except CaptureError:
         raise
     except Exception as exc:

@@ -187,7 +187,7 @@ class HostScalarMode(TorchFunctionMode):
         if entry is None:
             raise CaptureError(
                 "the step reads a tensor's value on the host (`.item()` / float(tensor)) "
-                f"on a {tuple(tensor.shape)} {tensor.dtype} tensor that is not a step counter{_user_line()}; "
+                f"on a {tuple(tensor.shape)} {tensor.dtype} tensor that is not a step counter{user_line()}; "
                 "a data-dependent host read cannot be compiled (fallback='eager' runs such a step eagerly)"
             )
         if entry[1] is None:
@@ -299,10 +299,11 @@ _ZERO_D_FACTORIES = frozenset({"zeros", "ones", "zeros_like", "ones_like", "full
 _FUNCTIONAL_FOLLOW = frozenset({"add", "sub", "__add__", "__sub__", "_foreach_add", "_foreach_sub", "clone", "detach"})
 
 
-def _user_line() -> str:
-    """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile."""
+def user_line(frames: list[traceback.FrameSummary] | None = None) -> str:
+    """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile: where in the
+    user's step a refusal comes from (``frames``: an exception's traceback; default: the current stack)."""
     internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    for frame in reversed(traceback.extract_stack()):
+    for frame in reversed(traceback.extract_stack() if frames is None else frames):
         if not frame.filename.startswith(internal) and "<" not in frame.filename[:1]:
             code = f" (`{frame.line.strip()}`)" if frame.line else ""
             return f" at {frame.filename}:{frame.lineno}{code}"

@@ -16,11 +16,14 @@ and the capture refuses naming the place.
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+log = logging.getLogger("hocompile.capture")
 
 _MAX_OBJECTS = 20_000  # a bound on the walk: optimizers that reference a whole model stay cheap
 _MAX_DEPTH = 6
@@ -73,6 +76,10 @@ class Snapshot:
             for suffix, child in _children(value):
                 if _is_container(child):
                     frontier.append((path + suffix, child, depth + 1))
+        # A bound, so say when it was hit: what lies beyond is not checked.
+        self.truncated = bool(frontier)
+        if self.truncated:
+            log.info("capture: checked the first %d containers reachable from the optimizer only", _MAX_OBJECTS)
 
     def changed(self) -> list[str]:
         """Paths whose contents differ (by identity of their entries) from the snapshot."""

@@ -54,7 +54,8 @@ __all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "RecompileLimitWarn
 
 log = logging.getLogger("hocompile")
 
-# make_fx keeps global state (its patcher), and target calibration times the machine.
+# Target calibration times the machine (two at once would measure each other)
+# and writes its file; tracing has its own lock in capture.py.
 _COMPILE_LOCK = threading.RLock()
 
 
@@ -366,9 +367,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         limit = self._settings.recompile_limit
         if self.counters.compiles and not expected and len(self.counters.recompiles) >= limit:
             return self._over_limit(sig, reason, limit)
-        # make_fx keeps global state (its patcher) and target calibration times
-        # the machine: one compile at a time per process.
-        with _COMPILE_LOCK:
+        with _COMPILE_LOCK:  # one compile at a time per process (see _COMPILE_LOCK)
             try:
                 return self._compile_locked(sig, reason, expected)
             except (CaptureError, UnsupportedParameterError):
