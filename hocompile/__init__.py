@@ -12,14 +12,14 @@ import os
 
 import torch
 
+from .diskcache import CacheWarning
 from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
-from .runtime.cache import CacheWarning
 from .runtime.compiled_optimizer import RecompileLimitWarning
 from .runtime.explain import explain
 from .runtime.plan import plan
 from .runtime.verify import VerificationError
-from .settings import Settings
+from .settings import Backend, Fallback, Precision, Settings
 from .targets import Target
 
 __version__ = "0.1.0"
@@ -28,15 +28,15 @@ __version__ = "0.1.0"
 def compile_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
-    fallback: str = "error",
+    fallback: str | Fallback = "error",
     structural_keys: tuple[str, ...] | list[str] = (),
     cache_dir: str | os.PathLike[str] | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     disable_passes: tuple[str, ...] | list[str] | None = None,
     debug: int | None = None,
-    precision: str = "auto",
+    precision: str | Precision = "auto",
     target: str | Target = "auto",
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     cuda_graphs: bool = False,
     autotune: bool = False,
     error_budget: float | None = None,
@@ -128,9 +128,12 @@ def compile_optimizer(
 
 
 __all__ = [
+    "Backend",
     "CacheWarning",
     "CaptureError",
     "CompiledOptimizer",
+    "Fallback",
+    "Precision",
     "RecompileLimitWarning",
     "Settings",
     "Target",

@@ -5,8 +5,8 @@ ranks inside ``step()`` (``dist.all_gather``, ``all_gather_into_tensor``),
 even when run on one rank. A fake-tensor trace cannot run a real collective.
 With one rank every collective is a local copy (or nothing), so that is what
 the trace records, and the compiled step equals eager's. Across several ranks
-the step is refused with a clear error until the distributed plan lands
-(DESIGN.md §7): a compiled step must never skip a collective.
+the step is refused with a clear error until a distributed plan
+(owner ranks, bucketed collectives) exists: a compiled step must never skip a collective.
 """
 
 from __future__ import annotations

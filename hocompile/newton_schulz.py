@@ -147,6 +147,9 @@ class _Arith:
         ), self.compute)
 
 
+Arith = _Arith  # public name for callers outside the NS code (targets times its blocked symmetric product)
+
+
 def normalize(x: torch.Tensor, eps: float, eps_mode: str, compute: torch.dtype) -> torch.Tensor:
     """Frobenius-normalise each matrix: accumulate in fp32 (or fp64), round like eager.
 

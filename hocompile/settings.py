@@ -8,27 +8,69 @@
   ``~/.cache/hocompile``).
 - ``HOCOMPILE_DISABLE_PASSES``: comma-separated pass names to skip.
 - ``HOCOMPILE_VERIFY``: check each new compiled step against eager for its
-  first steps (hocompile/runtime/verify.py): ``1``/``true``/``on`` for the
-  default number (3), another integer N for N steps, ``0``/``false``/``off``
-  (or unset) for none.
+  first steps (runtime/verify.py): ``1``/``true``/``on`` for the default
+  number (3), another integer N for N steps, ``0``/``false``/``off`` (or
+  unset) for none.
+
+The choices among names (backend, fallback, precision) are enums whose
+values are the strings users pass: ``Backend("triton")``, and a member
+compares equal to its string, so ``settings.backend == "triton"`` holds.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .diskcache import default_cache_dir
 from .host_scalars import STRUCTURAL_KEYS
-from .runtime.cache import default_cache_dir
+from .precision.calibrate import parse_schedule_key
+from .precision.emulate import FORMATS
 from .targets import Target
 
-FALLBACKS = ("error", "eager")
 DEFAULT_VERIFY_STEPS = 3
 _VERIFY_ON = ("1", "true", "yes", "on")
 _VERIFY_OFF = ("", "0", "false", "no", "off")
-BACKENDS = ("auto", "aten", "triton")
+
+
+class _Choice(str, enum.Enum):
+    """A named option: its value is the user's string, and it prints as that string (cache keys, logs)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Backend(_Choice):
+    AUTO = "auto"  # Triton for CUDA params (when triton is installed), aten otherwise
+    ATEN = "aten"
+    TRITON = "triton"
+
+
+class Fallback(_Choice):
+    ERROR = "error"  # a step that cannot be compiled raises
+    EAGER = "eager"  # ... or runs eagerly, with a warning
+
+
+class Precision(_Choice):
+    """Newton–Schulz compute precision: "auto" or a name of hocompile.dtypes."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP64 = "fp64"
+
+
+# The accepted strings, for messages and for callers that validate names.
+BACKENDS = tuple(b.value for b in Backend)
+FALLBACKS = tuple(f.value for f in Fallback)
+PRECISIONS = tuple(p.value for p in Precision)
 
 
 @dataclass(frozen=True)
@@ -37,11 +79,11 @@ class Settings:
     dump_dir: Path | None = None
     disabled_passes: frozenset[str] = frozenset()
     debug: int = 0
-    fallback: str = "error"
+    fallback: Fallback = Fallback.ERROR
     structural_keys: frozenset[str] = STRUCTURAL_KEYS
-    precision: str = "auto"
+    precision: Precision = Precision.AUTO
     target: str | Target = "auto"
-    backend: str = "auto"
+    backend: Backend = Backend.AUTO
     cuda_graphs: bool = False
     autotune: bool = False
     error_budget: float | None = None
@@ -51,6 +93,13 @@ class Settings:
     verify: int = 0  # steps checked against eager after each compile (runtime/verify.py)
     recompile_limit: int = 8
 
+    def __post_init__(self) -> None:
+        # Settings(...) built directly may hold the plain strings: store the members
+        # (ValueError names an unknown one).
+        object.__setattr__(self, "fallback", Fallback(self.fallback))
+        object.__setattr__(self, "precision", Precision(self.precision))
+        object.__setattr__(self, "backend", Backend(self.backend))
+
     @staticmethod
     def resolve(
         *,
@@ -58,11 +107,11 @@ class Settings:
         dump_dir: str | os.PathLike[str] | None = None,
         disable_passes: tuple[str, ...] | list[str] | None = None,
         debug: int | None = None,
-        fallback: str = "error",
+        fallback: str | Fallback = "error",
         structural_keys: tuple[str, ...] | list[str] = (),
-        precision: str = "auto",
+        precision: str | Precision = "auto",
         target: str | Target = "auto",
-        backend: str = "auto",
+        backend: str | Backend = "auto",
         cuda_graphs: bool = False,
         autotune: bool = False,
         error_budget: float | None = None,
@@ -72,8 +121,6 @@ class Settings:
         verify: bool | int | None = None,
         recompile_limit: int = 8,
     ) -> Settings:
-        from .passes.choose_algorithm import PRECISIONS
-
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if error_budget is not None and not error_budget > 0:
@@ -100,11 +147,11 @@ class Settings:
             dump_dir=Path(dump_dir) if dump_dir is not None else (Path(env_dump) if env_dump else None),
             disabled_passes=frozenset(d.strip() for d in disabled if d.strip()),
             debug=debug_level,
-            fallback=fallback,
+            fallback=Fallback(fallback),
             structural_keys=STRUCTURAL_KEYS | frozenset(structural_keys),
-            precision=precision,
+            precision=Precision(precision),
             target=target,
-            backend=backend,
+            backend=Backend(backend),
             cuda_graphs=cuda_graphs,
             autotune=autotune,
             error_budget=error_budget,
@@ -139,9 +186,6 @@ def _verify_steps(verify: bool | int | None) -> int:
 
 def _schedule(schedule: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
     """One format per iteration; ``"fp8_e4m3*2+bf16*3"`` is accepted too."""
-    from .precision.calibrate import parse_schedule_key
-    from .precision.emulate import FORMATS
-
     formats = parse_schedule_key(schedule) if isinstance(schedule, str) and schedule else tuple(schedule)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:

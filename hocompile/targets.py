@@ -2,9 +2,10 @@
 
 The cost model of choose-algorithm needs the GEMM throughput of each dtype
 on the target, and batch-by-shape whether it gains from stacking (GPUs: one
-launch per group; CPUs: no, see cpu_target). GPU targets will come from a table (sm80, sm90, sm100); a CPU
-is measured once — small fp32/bf16/fp16 matmuls, a fraction of a second — and
-the result cached in the cache directory. Measured on this project's 2-core
+launch per group; CPUs: no, see cpu_target). GPU targets come from a table of
+data-sheet rates (``GPU_GFLOPS``, sm80 to sm103; ``device_arch`` names a
+device's row); a CPU is measured once — small fp32/bf16/fp16 matmuls, a
+fraction of a second — and the result cached in the cache directory. Measured on this project's 2-core
 AVX2 CPUs: fp32 ~90 GFLOP/s, bf16 ~0.7 GFLOP/s (no bf16 GEMM in hardware),
 while CPUs with AMX/AVX512-BF16 run bf16 faster than fp32. Nothing about a
 target is assumed that can be measured.
@@ -29,9 +30,12 @@ from pathlib import Path
 
 import torch
 
-from .runtime.cache import read_json, write_json
+from . import dtypes
+from .diskcache import read_json, write_json
+from .newton_schulz import Arith
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The GEMM dtypes a CPU is measured in (names of hocompile.dtypes; rate tables are keyed by them).
+_MEASURED = ("fp32", "bf16", "fp16")
 _CALIBRATION_VERSION = 4
 
 
@@ -52,8 +56,8 @@ class Target:
     formats: tuple[str, ...] = ()
 
     def throughput(self, dtype: torch.dtype) -> float:
-        key = next((k for k, v in _DTYPES.items() if v == dtype), "fp32")
-        return self.gflops.get(key, self.gflops.get("fp32", 1.0))
+        """GEMM GFLOP/s in ``dtype``; a dtype without a rate here runs at the fp32 rate."""
+        return self.gflops.get(dtypes.name(dtype), self.gflops.get("fp32", 1.0))
 
     def rate(self, fmt: str) -> float:
         """GEMM GFLOP/s for an operand format name ("fp8_e4m3" uses the "fp8" rate, "mxfp8_*" "mxfp8")."""
@@ -64,7 +68,7 @@ class Target:
         """Formats a schedule may use: the declared ones, else the fast dtypes measured here."""
         if self.formats:
             return self.formats
-        return tuple(k for k in ("fp32", "bf16", "fp16") if k == "fp32" or self.fast(_DTYPES[k]))
+        return tuple(k for k in _MEASURED if k == "fp32" or self.fast(dtypes.dtype(k)))
 
     def fast(self, dtype: torch.dtype) -> bool:
         """Does a GEMM in ``dtype`` beat the fp32 GEMM here?"""
@@ -109,10 +113,8 @@ def _measure_symmetric(m: int = 768, n: int = 2048, repeats: int = 5) -> float:
 
     Interleaved, best of ``repeats`` each: a busy neighbour slows both alike.
     """
-    from .newton_schulz import _Arith
-
     x = torch.randn(m, n)
-    blocked = _Arith(torch.float32, "native", torch.float32, blocks=4)
+    blocked = Arith(torch.float32, "native", torch.float32, blocks=4)
     dense_best = blocked_best = float("inf")
     for _ in range(repeats + 1):  # the first round warms up
         start = time.perf_counter()
@@ -130,7 +132,7 @@ def cpu_target(cache_dir: Path | None) -> Target:
     cached = read_json(path, _calibration_from_json) if path is not None else None
     if cached is not None:
         return cached
-    gflops = {name: _measure(dtype) for name, dtype in _DTYPES.items()}
+    gflops = {name: _measure(dtypes.dtype(name)) for name in _MEASURED}
     symmetric = _measure_symmetric()
     # A CPU never prefers stacks: measured here, a GPT-2 layer's step took
     # 0.73 s batched vs 0.76 s unbatched (noise), while stacking 24 layers of
@@ -147,8 +149,8 @@ def _calibration_from_json(data: object) -> Target:
     if not isinstance(data, dict) or set(data) != {"gflops", "prefers_batched", "symmetric"}:
         raise ValueError("expected an object with keys gflops, prefers_batched, symmetric")
     gflops = data["gflops"]
-    if not isinstance(gflops, dict) or set(gflops) != set(_DTYPES):
-        raise ValueError(f"gflops must map exactly {sorted(_DTYPES)} to rates")
+    if not isinstance(gflops, dict) or set(gflops) != set(_MEASURED):
+        raise ValueError(f"gflops must map exactly {sorted(_MEASURED)} to rates")
     if not isinstance(data["prefers_batched"], bool):
         raise ValueError("prefers_batched must be true or false")
     rates = {name: _positive_finite(rate, f"gflops.{name}") for name, rate in gflops.items()}
@@ -218,12 +220,28 @@ def gpu_target(arch: str) -> Target:
     return Target(arch, dict(GPU_GFLOPS[arch]), prefers_batched=True, stack_bytes=4 * 2**30, formats=GPU_FORMATS[arch])
 
 
+def device_arch(device: torch.device) -> str:
+    """The architecture name of ``device``: "interpret" on CPU (Triton's interpreter), else smXY.
+
+    A GPU newer than every row of the table gets the newest row not newer
+    than it (an sm120 plans as sm103); one older than all of them, the oldest.
+    The Triton tile tables are keyed by the same names.
+    """
+    if device.type != "cuda":
+        return "interpret"
+    major, minor = torch.cuda.get_device_capability(device)
+    name = f"sm{major}{minor}"
+    if name in GPU_GFLOPS:
+        return name
+    known = sorted(GPU_GFLOPS, key=lambda k: int(k[2:]))
+    older = [k for k in known if int(k[2:]) <= major * 10 + minor]
+    return older[-1] if older else known[0]
+
+
 def resolve_target(spec: str | Target | None, cache_dir: Path | None, device: torch.device | None = None) -> Target:
     if isinstance(spec, Target):
         return spec
     if spec in (None, "auto") and device is not None and device.type == "cuda":
-        from .lowering.triton import device_arch
-
         return gpu_target(device_arch(device))
     if spec in (None, "auto", "cpu"):
         return cpu_target(cache_dir)

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from hocompile import CacheWarning, targets
+from hocompile.diskcache import DiskCache, entry_text
 from hocompile.lowering.triton.tiles import TileConfig
-from hocompile.runtime.cache import DiskCache, entry_text
 
 from .helpers import EXACT, Pair
 

@@ -308,3 +308,52 @@ def test_state_kept_outside_what_capture_substitutes_is_refused(factory, where: 
     for _ in range(3):
         pair.step()
     assert pair.max_rel_diff() == 0.0
+
+
+class RefreshEveryK(torch.optim.Optimizer):
+    """A refresh every k steps chosen on a Python counter (Shampoo's and SOAP's pattern)."""
+
+    def __init__(self, params: Any, lr: float = 0.1, k: int = 3) -> None:
+        super().__init__(params, {"lr": lr, "k": k})
+        self.n = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.n += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                scale = 2.0 if self.n % group["k"] == 0 else 1.0
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class NewBranchEveryStep(RefreshEveryK):
+    """A branch whose outcome is new at every step: each step fails every earlier guard."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.n += 1
+        j = next(j for j in range(1000) if self.n <= j)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] / j)
+
+
+def test_host_branch_outcomes_are_variants_not_recompiles(cache_dir) -> None:
+    pair = Pair(RefreshEveryK, SHAPES, cache_dir, recompile_limit=1)
+    for _ in range(12):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    counters = pair.compiled.counters
+    assert counters.recompiles == [] and counters.eager_fallbacks == 0
+    assert counters.compiles == 2 and len(counters.variants) == 1 and "% 3" in counters.variants[0]
+
+
+def test_a_branch_new_every_step_stops_counting_as_variants(cache_dir) -> None:
+    pair = Pair(NewBranchEveryStep, SHAPES, cache_dir, recompile_limit=2)
+    with pytest.warns(RecompileLimitWarning):
+        for _ in range(10):
+            pair.step()
+    assert pair.max_rel_diff() == 0.0
+    counters = pair.compiled.counters
+    assert len(counters.variants) == 3  # the first compile, then three more outcomes as variants
+    assert len(counters.recompiles) == 2 and counters.eager_fallbacks >= 1

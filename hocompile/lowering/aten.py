@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..diskcache import DiskCache, load_generated
 from ..graph import print_graph
-from ..runtime.cache import DiskCache, load_generated
 from .writeback import schedule_writebacks
 
 LOWERING_VERSION = "aten-2"
@@ -46,9 +46,10 @@ class LoweredStep:
 
 
 def cache_key(gm: fx.GraphModule, pipeline_identity: str) -> str:
-    text = "\n".join(
-        [LOWERING_VERSION, torch.__version__, pipeline_identity, print_graph(gm), _constants_digest(gm)]
-    )
+    """The step module's key: the graph with its decisions' choices, never their predicted
+    timings (a recalibrated target that plans the same step keeps the key)."""
+    graph = print_graph(gm, predictions=False)
+    text = "\n".join([LOWERING_VERSION, torch.__version__, pipeline_identity, graph, _constants_digest(gm)])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -2,7 +2,7 @@
 
 Everything runs on CPU: each tensor-core format is emulated exactly
 (quantise → exact products → fp32 accumulation → rounded epilogue), so the
-planner's error model is measured and tested without a GPU (DESIGN.md §6).
+planner's error model is measured and tested without a GPU.
 """
 
 from .calibrate import Calibration, load_calibration

@@ -44,6 +44,7 @@ per matrix, as a grouped GEMM takes one scale per problem.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -65,6 +66,15 @@ TF32_DROPPED_BITS = 23 - 10
 _CHUNK_BUFFER_BYTES = 64 * 2**20
 
 
+class FormatKind(enum.Enum):
+    """How a format's operands are rounded before the exact product."""
+
+    FLOAT = "float"  # a cast to the storage dtype
+    TF32 = "tf32"  # fp32 with 10 mantissa bits kept
+    FP8 = "fp8"  # one per-tensor scale, then an fp8 cast
+    MX = "mx"  # power-of-two scales per 32-element block, then an fp8 cast
+
+
 @dataclass(frozen=True)
 class Format:
     """One tensor-core compute format.
@@ -73,8 +83,8 @@ class Format:
     (FP8 is only a GEMM operand format: the iterate stays bf16).
     """
 
-    name: str
-    kind: str  # "float" (cast), "tf32", "fp8" (per-tensor scale), "mx" (block scales)
+    name: str  # the dtype's name in hocompile.dtypes where it is one ("bf16", "fp8_e4m3")
+    kind: FormatKind
     storage: torch.dtype
     element: torch.dtype | None = None  # the fp8 dtype of fp8/mx operands
 
@@ -92,14 +102,14 @@ class Format:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("fp32", "float", torch.float32),
-        Format("tf32", "tf32", torch.float32),
-        Format("bf16", "float", torch.bfloat16),
-        Format("fp16", "float", torch.float16),
-        Format("fp8_e4m3", "fp8", torch.bfloat16, torch.float8_e4m3fn),
-        Format("fp8_e5m2", "fp8", torch.bfloat16, torch.float8_e5m2),
-        Format("mxfp8_e4m3", "mx", torch.bfloat16, torch.float8_e4m3fn),
-        Format("mxfp8_e5m2", "mx", torch.bfloat16, torch.float8_e5m2),
+        Format("fp32", FormatKind.FLOAT, torch.float32),
+        Format("tf32", FormatKind.TF32, torch.float32),
+        Format("bf16", FormatKind.FLOAT, torch.bfloat16),
+        Format("fp16", FormatKind.FLOAT, torch.float16),
+        Format("fp8_e4m3", FormatKind.FP8, torch.bfloat16, torch.float8_e4m3fn),
+        Format("fp8_e5m2", FormatKind.FP8, torch.bfloat16, torch.float8_e5m2),
+        Format("mxfp8_e4m3", FormatKind.MX, torch.bfloat16, torch.float8_e4m3fn),
+        Format("mxfp8_e5m2", FormatKind.MX, torch.bfloat16, torch.float8_e5m2),
     )
 }
 
@@ -156,11 +166,11 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1) -> tuple[torch.Tensor
     """
     f = _format(fmt)
     x = x.to(torch.float32)
-    if f.kind == "float":
+    if f.kind is FormatKind.FLOAT:
         return (x if f.storage == torch.float32 else x.to(f.storage)), None
-    if f.kind == "tf32":
+    if f.kind is FormatKind.TF32:
         return round_tf32(x), None
-    if f.kind == "fp8":
+    if f.kind is FormatKind.FP8:
         if x.dim() < 2:
             raise ValueError(f"fp8 per-matrix scaling needs a matrix, got shape {tuple(x.shape)}")
         amax = x.abs().amax(dim=(-2, -1), keepdim=True)
@@ -196,20 +206,20 @@ def emulated_matmul(
     (not quantised). The result is rounded once to ``out_dtype``.
     """
     f = _format(fmt)
-    if f.kind in ("float", "tf32"):
+    if f.kind in (FormatKind.FLOAT, FormatKind.TF32):
         return _blas_matmul(a, b, f, c, alpha, beta).to(out_dtype)
     qa, sa = quantize(a, fmt, axis=-1)
     assert sa is not None
     sb: torch.Tensor | None
     if _is_transpose_of(b, a):
         # X @ Xᵀ: both operands are blocked along the same K, so B's quantisation is A's, transposed.
-        qb, sb = qa.mT, (sa if f.kind == "fp8" else sa.mT)
-    elif b is a and f.kind == "fp8":
+        qb, sb = qa.mT, (sa if f.kind is FormatKind.FP8 else sa.mT)
+    elif b is a and f.kind is FormatKind.FP8:
         qb, sb = qa, sa  # A @ A with one per-matrix scale: the same quantisation
     else:
         qb, sb = quantize(b, fmt, axis=-2)
     assert sb is not None
-    if f.kind == "mx":
+    if f.kind is FormatKind.MX:
         acc = _chunked_dot(qa, qb, sa, sb)
     else:
         acc = _chunked_dot(qa, qb, None, None) * (sa * sb)

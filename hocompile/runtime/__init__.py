@@ -1,4 +1,5 @@
-"""Runtime: the drop-in CompiledOptimizer, its guards and caches, explain()."""
+"""Runtime: the drop-in CompiledOptimizer, its guards, the compile driver it shares with plan(),
+verify=N, and explain(). The on-disk cache is hocompile/diskcache.py, shared with the lowerings."""
 
 from .compiled_optimizer import CompiledOptimizer, Counters
 from .validate import UnsupportedParameterError

@@ -7,9 +7,10 @@ time. Each ``step()``:
 
 1. computes the guard signature (params, grads, state, structural options);
 2. finds a compiled step for it whose hyperparameter branches still hold, or
-   validates the inputs and compiles one (capture -> passes -> lowering);
+   validates the inputs and compiles one (compile_step.py: capture -> passes
+   -> lowering, the driver plan() shares);
 3. evaluates the host scalars from the live hyperparameters, runs the graph
-   functionally, and only then writes every result back.
+   functionally, and only then writes every result back (entries.run_entry).
 
 An error at any point before the write-back leaves params and state as they
 were.
@@ -18,8 +19,6 @@ were.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import warnings
 from collections.abc import Callable
 from itertools import chain
@@ -28,35 +27,33 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..capture import CapturedStep, capture, slot_tensor, unwrapped_step
-from ..graph import decisions, graph_stats, print_graph
-from ..host_scalars import CaptureError, is_float
-from ..host_state import MISSING, HostSlot
-from ..lowering import LoweredStep, cache_key, lower_to_aten
-from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
-from ..settings import Settings
-from ..targets import resolve_target
-from .cache import DiskCache
+from ..capture import CapturedStep, unwrapped_step
+from ..host_scalars import CaptureError
+from ..host_state import HostSlot
+from ..passes import Pass
+from ..settings import Fallback, Settings
+from .compile_step import compile_step, params_device, resolve_backend, step_pipeline
 from .entries import (
     _FORWARDED,
     CompiledEntry,
     Counters,
     RecompileLimitWarning,
     _check_optimizer_like,
-    _kernel_formats,
+    host_env,
+    run_entry,
 )
 from .guards import Signature, describe_change, signature
 from .validate import UnsupportedParameterError, validate
 from .verify import run_step
 
-__all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "RecompileLimitWarning", "_kernel_formats"]
+__all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "RecompileLimitWarning"]
 
+
+# Programs one signature may hold for the outcomes of host-number branches before
+# further ones count as recompiles (a guard on a value that changes every step).
+VARIANTS_PER_SIGNATURE = 4
 
 log = logging.getLogger("hocompile")
-
-# Target calibration times the machine (two at once would measure each other)
-# and writes its file; tracing has its own lock in capture.py.
-_COMPILE_LOCK = threading.RLock()
 
 
 class CompiledOptimizer(torch.optim.Optimizer):
@@ -81,13 +78,12 @@ class CompiledOptimizer(torch.optim.Optimizer):
             try:
                 _check_optimizer_like(optimizer)
             except TypeError as exc:
-                if self._settings.fallback != "eager":
+                if self._settings.fallback != Fallback.EAGER:
                     raise
                 self._passthrough = str(exc)
                 log.warning("hocompile: every step of %s runs eagerly: %s", type(optimizer).__name__, exc)
         self._pipeline_override = pipeline
         self._pipeline_cache: tuple[Pass, ...] | None = None
-        self._disk = DiskCache(self._settings.cache_dir)
         self._entries: dict[Signature, list[CompiledEntry]] = {}
         # Steps that could not be captured, by coarse signature (every Python number masked)
         self._eager_by_coarse: dict[Signature, CompiledEntry] = {}
@@ -186,33 +182,15 @@ class CompiledOptimizer(torch.optim.Optimizer):
             if self._pipeline_override is not None:
                 self._pipeline_cache = self._pipeline_override
             else:
-                target = resolve_target(self._settings.target, self._settings.cache_dir, self._device())
-                triton = self.backend == "triton"
-                settings = self._settings
-                self._pipeline_cache = default_pipeline(
-                    target, settings.precision, force_batch=triton, error_budget=settings.error_budget,
-                    schedule=settings.schedule, kernel_formats=_kernel_formats(triton, self._device()),
-                    max_batch=settings.max_batch, max_stack_bytes=settings.max_stack_bytes,
-                )
+                device = params_device(self._inner)
+                backend = resolve_backend(self._settings, device)
+                self._pipeline_cache = step_pipeline(self._settings, device, backend)[0]
         return self._pipeline_cache
-
-    def _device(self) -> torch.device:
-        params = [p for g in self._inner.param_groups for p in g["params"]]
-        return params[0].device if params else torch.device("cpu")
 
     @property
     def backend(self) -> str:
         """ "triton" or "aten": the setting, with "auto" resolved by the params' device."""
-        if self._settings.backend != "auto":
-            return self._settings.backend
-        if self._device().type != "cuda":
-            return "aten"
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            log.warning("hocompile: CUDA params but triton is not installed: lowering to aten")
-            return "aten"
-        return "triton"
+        return resolve_backend(self._settings, params_device(self._inner))
 
     def kernels(self) -> list[Any]:
         """Every generated Triton kernel of the compiled steps (name, family, spec, origin, source)."""
@@ -268,6 +246,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         env: dict[str, float] | None = None
         entry: CompiledEntry | None = None
         failed_guard = ""
+        on_counter = False  # the failed guard reads a number the step itself rewrites
         for candidate in candidates:
             if candidate.captured is None:  # an eager fallback for this signature
                 entry = candidate
@@ -278,6 +257,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 entry = candidate
                 break
             failed_guard = f"guard failed: {broken.describe()} no longer holds"
+            counters = {slot.name() for slot in candidate.captured.lifted}
+            on_counter = bool(broken.lhs.inputs() & counters or broken.rhs.inputs() & counters)
         if entry is None and not candidates and self._eager_by_coarse:
             # This configuration differs from one that could not be captured only in
             # Python numbers (a counter the step bumps): it runs eagerly too, no retry.
@@ -291,7 +272,12 @@ class CompiledOptimizer(torch.optim.Optimizer):
             expected = self._created_state and reason.startswith(("state of", "param_groups[", "optimizer attribute"))
             if expected:
                 reason = "steady state: the previous step created the optimizer state"
-            entry = self._compile(sig, reason, expected)
+            # Another outcome of a branch on a number the step itself counts (a refresh
+            # every k steps, a warm-up): one program per outcome, a variant while a
+            # signature has few. A changed hyperparameter, or a guard that fails with
+            # every new value, is a recompile.
+            variant = on_counter and not expected and len(candidates) < VARIANTS_PER_SIGNATURE
+            entry = self._compile(sig, reason, expected, variant)
             sig = signature(self._inner, structural, self._lifted)
             env = None
         else:
@@ -317,73 +303,35 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return keys + [tuple(opt.state.get(p, ())) for g in opt.param_groups for p in g["params"]]
 
     def _host_env(self, captured: CapturedStep) -> dict[str, Any]:
-        """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
-        env: dict[str, Any] = {}
-        for g, group in enumerate(self._inner.param_groups):
-            for key, value in group.items():
-                if is_float(value):
-                    env[f"g{g}.{key}"] = value
-                elif isinstance(value, (tuple, list)) and value and is_float(value[0]):
-                    for i, v in enumerate(value):
-                        env[f"g{g}.{key}[{i}]"] = v
-        for counter in captured.counters:
-            env[counter.name] = slot_tensor(self._inner, counter.slot).item()
-        for slot in captured.lifted:
-            env[slot.name()] = slot.read(self._inner)
-        return env
+        return host_env(self._inner, captured)
 
     def _run(self, entry: CompiledEntry, env: dict[str, float] | None) -> None:
-        captured, lowered = entry.captured, entry.lowered
-        assert captured is not None and lowered is not None
-        if env is None:
-            env = self._host_env(captured)
-        opt = self._inner
-        tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
-        # Evaluated before anything runs: an error here leaves everything as it was.
-        host_values = [(u.slot, u.value(env)) for u in captured.host_updates]
-        outputs = lowered.run(tensors + list(captured.scalars(env)))
-        # The generated code wrote most results in place already (writeback.py);
-        # the rest (newly created state, views) is installed here.
-        for action, value in zip((captured.outputs[i] for i in lowered.kept), outputs):
-            slot = action.slot
-            if action.mode == "copy":
-                slot_tensor(opt, slot).copy_(value)
-            else:
-                p = opt.param_groups[slot.group]["params"][slot.index]
-                opt.state[p][slot.key] = value
-        created = any(a.mode == "assign" for a in captured.outputs)
-        for g, i in captured.clears_grads:
-            opt.param_groups[g]["params"][i].grad = None
-        for host_slot, value in host_values:
-            created = created or host_slot.read(opt) is MISSING
-            host_slot.write(opt, value)
-        self._created_state = created
+        self._created_state = run_entry(self._inner, entry, env)
 
-    def _compile(self, sig: Signature, reason: str, expected: bool = False) -> CompiledEntry:
+    def _compile(self, sig: Signature, reason: str, expected: bool = False, variant: bool = False) -> CompiledEntry:
         try:
             validate(self._inner)
         except CaptureError as exc:  # a configuration we cannot trace (fused=True, LBFGS...)
             return self._eager_entry(sig, reason, expected, exc)
         limit = self._settings.recompile_limit
-        if self.counters.compiles and not expected and len(self.counters.recompiles) >= limit:
+        if self.counters.compiles and not (expected or variant) and len(self.counters.recompiles) >= limit:
             return self._over_limit(sig, reason, limit)
-        with _COMPILE_LOCK:  # one compile at a time per process (see _COMPILE_LOCK)
-            try:
-                return self._compile_locked(sig, reason, expected)
-            except (CaptureError, UnsupportedParameterError):
+        try:
+            return self._compile_new(sig, reason, expected, variant)
+        except (CaptureError, UnsupportedParameterError):
+            raise
+        except Exception as exc:
+            if self._settings.fallback != Fallback.EAGER:
                 raise
-            except Exception as exc:
-                if self._settings.fallback != "eager":
-                    raise
-                # A bug of ours, not the user's: say so, loudly, and stay correct.
-                message = f"internal error while compiling: {type(exc).__name__}: {exc}"
-                log.warning("hocompile: running %s eagerly after an %s", type(self._inner).__name__, message)
-                entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, message)
-                return self._remember(sig, entry, expected)
+            # A bug of ours, not the user's: say so, loudly, and stay correct.
+            message = f"internal error while compiling: {type(exc).__name__}: {exc}"
+            log.warning("hocompile: running %s eagerly after an %s", type(self._inner).__name__, message)
+            entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, message)
+            return self._remember(sig, entry, expected)
 
     def _eager_entry(self, sig: Signature, reason: str, expected: bool, exc: CaptureError) -> CompiledEntry:
         """``fallback="eager"``: this configuration runs the eager step; otherwise the error stands."""
-        if self._settings.fallback != "eager":
+        if self._settings.fallback != Fallback.EAGER:
             raise exc
         log.warning("hocompile: running %s eagerly: %s", type(self._inner).__name__, exc)
         entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, str(exc))
@@ -407,82 +355,39 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self.history.append(entry)
         return entry
 
-    def _compile_locked(self, sig: Signature, reason: str, expected: bool) -> CompiledEntry:
-        start = time.perf_counter()
+    def _compile_new(self, sig: Signature, reason: str, expected: bool, variant: bool = False) -> CompiledEntry:
+        """Compile this configuration (compile_step.py); a step that cannot be captured runs eagerly."""
         n_params = sum(1 for g in self._inner.param_groups for p in g["params"] if p.grad is not None)
         name = type(self._inner).__name__
         log.info("hocompile: compiling %s step (%d params with grads): %s", name, n_params, reason)
-        try:
-            captured = capture(self._inner, self._settings.structural_keys)
-        except CaptureError as exc:
-            return self._eager_entry(sig, reason, expected, exc)
-        gm = captured.gm
         dump = self._settings.dump_dir
         dump_here = dump / f"compile-{self.counters.compiles + 1:03d}" if dump is not None else None
-        pass_start = time.perf_counter()
-        gm, records = run_pipeline(gm, self.pipeline, self._settings.disabled_passes, dump_here)
-        pass_seconds = time.perf_counter() - pass_start
-        identity = ";".join(p.identity() for p in self.pipeline if p.name not in self._settings.disabled_passes)
-        # The statuses are printed in the module's header: the key must cover them.
-        statuses = ",".join(f"{r.name}:{r.status}" for r in records)
-        key = cache_key(gm, f"{identity};backend={self.backend};{statuses}")
-        final = print_graph(gm)
-        plans, final_stats = decisions(gm), graph_stats(gm)
-        lower_start = time.perf_counter()
-        header = self._header(key, records)
-        index_of = {slot: i for i, slot in enumerate(captured.inputs)}
-        copy_into = [index_of[a.slot] if a.mode == "copy" else None for a in captured.outputs]
-        if self.backend == "triton":
-            lowered = self._lower_triton(gm, key, header, copy_into)
-        else:
-            lowered = lower_to_aten(gm, key, self._disk, header, copy_into)
-        lower_seconds = time.perf_counter() - lower_start
-        self.counters.disk_hits += int(lowered.from_disk)
-        if dump_here is not None:
-            (dump_here / "lowered.py").write_text(lowered.source)
-            for kernel in lowered.kernels:
-                (dump_here / "kernels").mkdir(exist_ok=True)
-                (dump_here / "kernels" / f"{kernel.name}.py").write_text(kernel.source)
-        if self._settings.debug >= 2:
-            log.debug("hocompile final graph:\n%s", final)
+        try:
+            step = compile_step(self._inner, self._settings, pipeline=self.pipeline, dump_dir=dump_here)
+        except CaptureError as exc:
+            return self._eager_entry(sig, reason, expected, exc)
+        assert step.lowered is not None
+        self.counters.disk_hits += int(step.lowered.from_disk)
         entry = CompiledEntry(
-            captured,
-            lowered,
-            records,
-            final,
-            time.perf_counter() - start,
-            pass_seconds,
-            lower_seconds,
+            step.captured,
+            step.lowered,
+            step.records,
+            step.final_graph,
+            step.seconds,
+            step.pass_seconds,
+            step.lower_seconds,
             reason,
-            decisions=plans,
-            final_stats=final_stats,
+            decisions=step.decisions,
+            final_stats=step.final_stats,
         )
-        log.info("hocompile: compiled in %.2f s (cache key %s)", entry.compile_seconds, key[:16])
-        return self._remember(sig, entry, expected)
+        log.info("hocompile: compiled in %.2f s (cache key %s)", entry.compile_seconds, step.key[:16])
+        return self._remember(sig, entry, expected, variant)
 
-    def _lower_triton(self, gm: Any, key: str, header: str, copy_into: list[int | None]) -> LoweredStep:
-        from ..lowering.triton import lower_to_triton
-
-        settings = self._settings
-        module = lower_to_triton(
-            gm, settings.cache_dir, header, copy_into, self._device(), settings.cuda_graphs, settings.autotune
-        )
-        return LoweredStep(
-            module.run,
-            module.path,
-            key,
-            module.from_disk,
-            module.source,
-            module.kept,
-            "triton",
-            module.kernels,
-            module.launches,
-            module.units,
-            settings.cuda_graphs and module.graph_safe,
-        )
-
-    def _remember(self, sig: Signature, entry: CompiledEntry, expected: bool) -> CompiledEntry:
-        if self.counters.compiles and not expected:
+    def _remember(self, sig: Signature, entry: CompiledEntry, expected: bool, variant: bool = False) -> CompiledEntry:
+        if variant:
+            self.counters.variants.append(entry.reason)
+            log.info("hocompile: compiling another branch outcome of %s: %s", type(self._inner).__name__, entry.reason)
+        elif self.counters.compiles and not expected:
             self.counters.recompiles.append(entry.reason)
             log.info("hocompile: recompiling %s: %s", type(self._inner).__name__, entry.reason)
         self.counters.compiles += 1
@@ -494,13 +399,3 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._entries.setdefault(sig, []).append(entry)
         self.history.append(entry)
         return entry
-
-    def _header(self, key: str, records: list[PassRecord]) -> str:
-        passes = ", ".join(f"{r.name} ({r.status})" for r in records) or "none"
-        return "\n".join(
-            [
-                f"# Generated by hocompile for {type(self._inner).__module__}.{type(self._inner).__name__}.step",
-                f"# cache key {key[:16]}; passes: {passes}",
-                "# forward(self, <tensor inputs>, <host scalars>) -> outputs written back by the runtime",
-            ]
-        )

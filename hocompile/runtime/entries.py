@@ -1,5 +1,6 @@
-"""What a CompiledOptimizer keeps per compiled step, its counters, and the checks
-around it: the records explain() reads, kept apart from the runtime logic.
+"""What a CompiledOptimizer keeps per compiled step, its counters, the checks
+around it, and how one compiled step runs on the optimizer's live objects:
+the records explain() reads, kept apart from the optimizer's bookkeeping.
 """
 
 from __future__ import annotations
@@ -10,23 +11,12 @@ from typing import Any
 
 import torch
 
-from ..capture import CapturedStep
+from ..capture import CapturedStep, slot_tensor
+from ..host_scalars import is_float
+from ..host_state import MISSING
 from ..lowering import LoweredStep
 from ..passes import PassRecord
 from .verify import Verification
-
-
-def _kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None:
-    """The NS formats the Triton lowering has kernels for on ``device``; None (all) for aten."""
-    if not triton:
-        return None
-    from ..lowering.triton import device_arch
-    from ..lowering.triton.ns_scheduled import schedule_formats
-
-    return schedule_formats(device_arch(device))
-
-
-
 
 # Attributes GradScaler sets on an optimizer whose step supports AMP scaling.
 _FORWARDED = frozenset({"grad_scale", "found_inf"})
@@ -53,7 +43,7 @@ class RecompileLimitWarning(UserWarning):
     """An optimizer recompiled ``recompile_limit`` times; new configurations run eagerly."""
 
 
-_COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles")
+_COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles", "variants")
 
 
 @dataclass
@@ -66,6 +56,9 @@ class Counters(Mapping[str, Any]):
     disk_hits: int = 0
     eager_fallbacks: int = 0
     recompiles: list[str] = field(default_factory=list)
+    # Compiles of another outcome of a host-selected branch (a guard on a Python
+    # number such as ``step % k == 0``): expected, one per outcome, not recompiles.
+    variants: list[str] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _COUNTER_KEYS:
@@ -85,6 +78,7 @@ class Counters(Mapping[str, Any]):
             "disk_hits": self.disk_hits,
             "eager_fallbacks": self.eager_fallbacks,
             "recompiles": list(self.recompiles),
+            "variants": list(self.variants),
         }
 
 
@@ -104,3 +98,48 @@ class CompiledEntry:
     decisions: list[str] = field(default_factory=list)  # per-op plans, for explain()
     final_stats: dict[str, int] = field(default_factory=dict)
     verification: Verification = field(default_factory=Verification)  # verify=N: steps checked against eager
+
+
+def host_env(opt: torch.optim.Optimizer, captured: CapturedStep) -> dict[str, Any]:
+    """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
+    env: dict[str, Any] = {}
+    for g, group in enumerate(opt.param_groups):
+        for key, value in group.items():
+            if is_float(value):
+                env[f"g{g}.{key}"] = value
+            elif isinstance(value, (tuple, list)) and value and is_float(value[0]):
+                for i, v in enumerate(value):
+                    env[f"g{g}.{key}[{i}]"] = v
+    for counter in captured.counters:
+        env[counter.name] = slot_tensor(opt, counter.slot).item()
+    for slot in captured.lifted:
+        env[slot.name()] = slot.read(opt)
+    return env
+
+
+def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> bool:
+    """Run ``entry`` on ``opt``'s params and state and write every result back; True if it created state."""
+    captured, lowered = entry.captured, entry.lowered
+    assert captured is not None and lowered is not None
+    if env is None:
+        env = host_env(opt, captured)
+    tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
+    # Evaluated before anything runs: an error here leaves everything as it was.
+    host_values = [(u.slot, u.value(env)) for u in captured.host_updates]
+    outputs = lowered.run(tensors + list(captured.scalars(env)))
+    # The generated code wrote most results in place already (writeback.py);
+    # the rest (newly created state, views) is installed here.
+    for action, value in zip((captured.outputs[i] for i in lowered.kept), outputs):
+        slot = action.slot
+        if action.mode == "copy":
+            slot_tensor(opt, slot).copy_(value)
+        else:
+            p = opt.param_groups[slot.group]["params"][slot.index]
+            opt.state[p][slot.key] = value
+    created = any(a.mode == "assign" for a in captured.outputs)
+    for g, i in captured.clears_grads:
+        opt.param_groups[g]["params"][i].grad = None
+    for host_slot, value in host_values:
+        created = created or host_slot.read(opt) is MISSING
+        host_slot.write(opt, value)
+    return created

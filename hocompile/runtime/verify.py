@@ -36,7 +36,8 @@ Error model, per tensor:
      coefficient off by 0.1 %, whatever the grads' rank.
   2. **Precision**: ``‖c − x‖ ≤ R max(‖e − x‖, ‖z − y‖) + F ‖x − t0‖ + 2 u ‖x‖``:
      no further from the exact step than eager's own arithmetic, or eager's
-     program in the precision it asked for, on this very input (DESIGN §6).
+     program in the precision it asked for, on this very input (the planner's
+     default budget: no worse than eager's own precision).
      R = 2: the contract's 1.25 with room for one matrix's spread (a plan
      rounding exactly like eager sits at 1/R); F = 1e-5, the fp32 floor of
      test_newton_schulz.py; u of the tensor's dtype, for storing x in it.
@@ -66,9 +67,10 @@ import torch
 from ..capture import CapturedStep, capture, unwrapped_step
 from ..graph import InputSlot
 from ..host_state import HostSlot
+from ..settings import Fallback
 from .reference_step import References, plan_dependent_slots
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: compiled_optimizer and entries import this module
     from .compiled_optimizer import CompiledEntry, CompiledOptimizer
 
 log = logging.getLogger("hocompile")
@@ -81,7 +83,7 @@ OTHER_POINTWISE_UNITS = 8.0
 
 
 class VerificationError(RuntimeError):
-    """A compiled step differed from eager beyond the error model of hocompile/runtime/verify.py."""
+    """A compiled step differed from eager beyond the error model of this module (runtime/verify.py)."""
 
 
 @dataclass
@@ -142,7 +144,7 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
         mirror = eager_step(inner, [update.slot for update in entry.captured.host_updates])
     except Exception as exc:  # nothing was written yet
         message = f"could not verify compiled step against eager: {type(exc).__name__}: {exc}"
-        if opt._settings.fallback != "eager" or isinstance(exc, VerificationError):
+        if opt._settings.fallback != Fallback.EAGER or isinstance(exc, VerificationError):
             raise VerificationError(message) from exc
         log.warning("hocompile: %s; running it eagerly", message)
         entry.fallback = message
@@ -169,7 +171,7 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     lines += [f"  {where}: {'; '.join(diffs)}" for where, diffs in problems]
     lines.append("The optimizer holds eager's result for this step (params, grads and state).")
     record.failed = "\n".join(lines)
-    if opt._settings.fallback == "eager":
+    if opt._settings.fallback == Fallback.EAGER:
         entry.fallback = "verification against eager failed: " + lines[1].strip()
         opt.counters.eager_fallbacks += 1
         log.warning("%s This compiled step runs eagerly from now on.", record.failed)

@@ -1,4 +1,8 @@
-"""On-disk cache of generated step modules.
+"""On-disk cache: generated step modules, and small JSON files (calibrations, autotune winners).
+
+A leaf module (it imports nothing from hocompile) so that both the lowerings,
+which write and load generated modules, and the runtime, which owns the
+cache directory, can use it without the lowering importing the runtime.
 
 Entries are Python files named by a content key. Each starts with a header
 holding the sha256 of its body; an entry whose body does not match (random

@@ -1,0 +1,197 @@
+"""compile_step(opt, settings): the one capture -> passes -> lowering driver.
+
+``CompiledOptimizer`` calls it for every new configuration of its step, and
+``hocompile.plan()`` with ``lower=False`` to show what the passes decide
+without generating anything; both therefore plan with the same target,
+backend, pipeline and settings. The caller validates the optimizer first
+(validate.py) and decides what a refusal means: a ``CaptureError`` from the
+capture propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from ..capture import CapturedStep, capture
+from ..diskcache import DiskCache
+from ..graph import decisions, graph_stats, print_graph
+from ..lowering import LoweredStep, cache_key, lower_to_aten
+from ..lowering.triton import lower_to_triton
+from ..lowering.triton.ns_scheduled import schedule_formats
+from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
+from ..settings import Backend, Settings
+from ..targets import Target, device_arch, resolve_target
+from .step_graph import GraphedStep
+
+log = logging.getLogger("hocompile")
+
+# Target calibration times the machine (two at once would measure each other)
+# and writes its file; tracing has its own lock in capture.py.
+COMPILE_LOCK = threading.RLock()
+
+
+@dataclass
+class CompiledStep:
+    """What one run of the driver produced: the captured step, the graph after passes, and its lowering."""
+
+    captured: CapturedStep
+    gm: fx.GraphModule  # after the passes (and, once lowered, with the lowering's write-backs)
+    records: list[PassRecord]
+    target: Target | None  # None when the caller supplied the pipeline (its passes hold their target)
+    final_graph: str  # printed before lowering rewrites the graph
+    decisions: list[str]
+    final_stats: dict[str, int]
+    pass_seconds: float
+    lowered: LoweredStep | None = None
+    lower_seconds: float = 0.0
+    seconds: float = 0.0  # the whole call, capture included
+    key: str = ""  # cache key of the lowered module; "" when not lowered
+
+
+def params_device(opt: torch.optim.Optimizer) -> torch.device:
+    """The device of the first param (CPU for an optimizer without params): it picks backend and target."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return params[0].device if params else torch.device("cpu")
+
+
+def resolve_backend(settings: Settings, device: torch.device) -> str:
+    """ "triton" or "aten": the setting, with "auto" resolved by the params' device."""
+    if settings.backend != Backend.AUTO:
+        return str(settings.backend)
+    if device.type != "cuda":
+        return "aten"
+    try:
+        import triton  # noqa: F401  (an optional dependency: probed, not required)
+    except ImportError:
+        log.warning("hocompile: CUDA params but triton is not installed: lowering to aten")
+        return "aten"
+    return "triton"
+
+
+def kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None:
+    """The NS formats the Triton lowering has kernels for on ``device``; None (all) for aten."""
+    return schedule_formats(device_arch(device)) if triton else None
+
+
+def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tuple[tuple[Pass, ...], Target]:
+    """The default pass pipeline for ``settings`` on ``device`` (the target calibrated on first use)."""
+    with COMPILE_LOCK:
+        target = resolve_target(settings.target, settings.cache_dir, device)
+    triton = backend == "triton"
+    pipeline = default_pipeline(
+        target,
+        str(settings.precision),
+        force_batch=triton,
+        error_budget=settings.error_budget,
+        schedule=settings.schedule,
+        kernel_formats=kernel_formats(triton, device),
+        max_batch=settings.max_batch,
+        max_stack_bytes=settings.max_stack_bytes,
+    )
+    return pipeline, target
+
+
+def compile_step(
+    opt: torch.optim.Optimizer,
+    settings: Settings,
+    *,
+    pipeline: tuple[Pass, ...] | None = None,
+    lower: bool = True,
+    dump_dir: Path | None = None,
+) -> CompiledStep:
+    """Capture ``opt``'s step, run the passes and (``lower``) generate and load the step module.
+
+    ``pipeline``: the passes to run (default: :func:`step_pipeline`'s);
+    ``dump_dir``: where the graphs before/after each pass, the lowered
+    module and its kernels are written.
+    """
+    device = params_device(opt)
+    backend = resolve_backend(settings, device)
+    with COMPILE_LOCK:  # one compile at a time per process (see COMPILE_LOCK)
+        start = time.perf_counter()  # waiting for another compile is not this one's time
+        target = None
+        if pipeline is None:
+            pipeline, target = step_pipeline(settings, device, backend)
+        with torch.no_grad():
+            captured = capture(opt, settings.structural_keys)
+        pass_start = time.perf_counter()
+        gm, records = run_pipeline(captured.gm, pipeline, settings.disabled_passes, dump_dir)
+        pass_seconds = time.perf_counter() - pass_start
+        final = print_graph(gm)
+        step = CompiledStep(captured, gm, records, target, final, decisions(gm), graph_stats(gm), pass_seconds)
+        if settings.debug >= 2:
+            log.debug("hocompile final graph:\n%s", final)
+        if lower:
+            _lower(step, opt, settings, pipeline, backend, device, dump_dir)
+    step.seconds = time.perf_counter() - start
+    return step
+
+
+def _lower(
+    step: CompiledStep,
+    opt: torch.optim.Optimizer,
+    settings: Settings,
+    pipeline: tuple[Pass, ...],
+    backend: str,
+    device: torch.device,
+    dump_dir: Path | None,
+) -> None:
+    start = time.perf_counter()
+    identity = ";".join(p.identity() for p in pipeline if p.name not in settings.disabled_passes)
+    # The statuses are printed in the module's header: the key must cover them.
+    statuses = ",".join(f"{r.name}:{r.status}" for r in step.records)
+    step.key = cache_key(step.gm, f"{identity};backend={backend};{statuses}")
+    header = _header(opt, step.key, step.records)
+    captured = step.captured
+    index_of = {slot: i for i, slot in enumerate(captured.inputs)}
+    copy_into = [index_of[a.slot] if a.mode == "copy" else None for a in captured.outputs]
+    if backend == "triton":
+        step.lowered = _lower_triton(step.gm, step.key, header, copy_into, settings, device)
+    else:
+        step.lowered = lower_to_aten(step.gm, step.key, DiskCache(settings.cache_dir), header, copy_into)
+    step.lower_seconds = time.perf_counter() - start
+    if dump_dir is not None:
+        (dump_dir / "lowered.py").write_text(step.lowered.source)
+        for kernel in step.lowered.kernels:
+            (dump_dir / "kernels").mkdir(exist_ok=True)
+            (dump_dir / "kernels" / f"{kernel.name}.py").write_text(kernel.source)
+
+
+def _lower_triton(
+    gm: fx.GraphModule, key: str, header: str, copy_into: list[int | None], settings: Settings, device: torch.device
+) -> LoweredStep:
+    # The lowering returns a plain runnable; replaying it from a CUDA graph is the runtime's business.
+    module = lower_to_triton(gm, settings.cache_dir, header, copy_into, device, autotune=settings.autotune)
+    graphed = settings.cuda_graphs and module.graph_safe
+    run = GraphedStep(module.module, gm, device) if graphed else module.run
+    return LoweredStep(
+        run,
+        module.path,
+        key,
+        module.from_disk,
+        module.source,
+        module.kept,
+        "triton",
+        module.kernels,
+        module.launches,
+        module.units,
+        graphed,
+    )
+
+
+def _header(opt: torch.optim.Optimizer, key: str, records: list[PassRecord]) -> str:
+    passes = ", ".join(f"{r.name} ({r.status})" for r in records) or "none"
+    return "\n".join(
+        [
+            f"# Generated by hocompile for {type(opt).__module__}.{type(opt).__name__}.step",
+            f"# cache key {key[:16]}; passes: {passes}",
+            "# forward(self, <tensor inputs>, <host scalars>) -> outputs written back by the runtime",
+        ]
+    )

@@ -1,0 +1,101 @@
+"""Layers point forward: leaf -> numerics -> capture -> passes -> lowering -> runtime -> public API.
+
+Imports inside functions count too: a lazy import that breaks the order is a
+backward edge hidden from the reader, not a cure for one. The choices behind
+the names below: newton_schulz and precision/ are numerics that ops, targets
+and passes all use (optimizers/ are eager optimizers built on them); targets
+(what the machine is good at) is read by the passes; settings is the
+runtime's configuration. A new top-level module must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import hocompile
+from hocompile import targets
+from hocompile.lowering.triton.tiles import MATMUL_TILES
+from hocompile.passes.choose_algorithm import PRECISIONS as PASS_PRECISIONS
+from hocompile.settings import PRECISIONS, Backend, Fallback, Precision, Settings
+
+PACKAGE = Path(hocompile.__file__).parent
+LAYERS = {
+    "leaf": ("dtypes", "diskcache", "registry", "decisions", "scalars"),
+    "numerics": ("newton_schulz", "precision", "optimizers"),
+    "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
+                "ops", "ops_schema", "families", "targets"),
+    "passes": ("passes",),
+    "lowering": ("lowering",),
+    "runtime": ("runtime", "settings"),
+}
+ORDER = [*LAYERS, "top"]
+
+
+def _layer(module: str) -> str:
+    head = module.split(".")[0]
+    return next((name for name, heads in LAYERS.items() if head in heads), "?" if module else "top")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every hocompile module ``path`` imports, at any depth, relative to the package."""
+    module = _module(path)
+    parts = module.split(".") if module else []
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                target = ".".join([*base, alias.name])
+                is_module = (PACKAGE / target.replace(".", "/")).with_suffix(".py").exists()
+                found.add(target if is_module or (PACKAGE / target.replace(".", "/")).is_dir() else ".".join(base))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found |= {n.removeprefix("hocompile.") for n in names if n.startswith("hocompile.")}
+    return found - {module}
+
+
+def test_layers_point_forward() -> None:
+    backward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _module(path)
+        for target in _imports(path):
+            if ORDER.index(_layer(target)) > ORDER.index(_layer(source)):
+                backward.append(f"{source} ({_layer(source)}) imports {target} ({_layer(target)})")
+    assert backward == []
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [m for m in map(_module, PACKAGE.rglob("*.py")) if _layer(m) == "?"] == []
+
+
+def test_lowering_and_runtime_share_the_leaf_disk_cache() -> None:
+    assert _imports(PACKAGE / "diskcache.py") == set()
+    assert "diskcache" in _imports(PACKAGE / "lowering" / "aten.py")
+
+
+def test_device_arch_names_a_row_of_every_table() -> None:
+    assert targets.device_arch(torch.device("cpu")) == "interpret"
+    assert set(MATMUL_TILES) == {"interpret", *targets.GPU_GFLOPS}
+
+
+def test_setting_choices_are_enums_that_read_as_strings() -> None:
+    settings = Settings.resolve(backend="triton", fallback="eager", precision="bf16")
+    assert settings.backend is Backend.TRITON and settings.backend == "triton"
+    assert settings.fallback is Fallback.EAGER and settings.precision is Precision.BF16
+    assert f"precision={settings.precision}" == "precision=bf16"  # as cache keys and logs spell it
+    assert Settings(backend="aten").backend is Backend.ATEN  # built directly, from a string
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Settings.resolve(backend="cuda")
+    with pytest.raises(ValueError):
+        Settings(precision="fp12")  # type: ignore[arg-type]
+    assert PRECISIONS == PASS_PRECISIONS  # the pass validates the same names
