@@ -55,8 +55,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 import hocompile  # noqa: E402
-from hocompile.lowering.triton import device_arch  # noqa: E402
 from hocompile.newton_schulz import flops  # noqa: E402
+from hocompile.targets import device_arch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_kernels  # noqa: E402

@@ -184,7 +184,7 @@ def test_specs_names_and_launch_guards(tmp_path: Path) -> None:
     spec = Fp8GemmSpec(3, 64, 64, 96, "mxfp8_e4m3", "sm90", accumulate=True, symmetric=True)
     assert spec.name == "ns_gemm_mxfp8e4m3_b3_64x64x96_acc_sym_out_bf16"
     assert Fp8GemmSpec(1, 8, 9, 10, "fp8_e4m3", "sm100", torch.float32, amax_out=True).name == (
-        "ns_gemm_fp8e4m3_b1_8x9x10_amax_out_f32"
+        "ns_gemm_fp8e4m3_b1_8x9x10_amax_out_fp32"
     )
     for bad in ({"fmt": "fp8_e5m2"}, {"arch": "sm80"}, {"n": 65, "symmetric": True}, {"out_dtype": torch.int8}):
         with pytest.raises(ValueError):

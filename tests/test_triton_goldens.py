@@ -1,9 +1,11 @@
 # ruff: noqa: E501
-"""Goldens: the full generated source of one kernel per matmul family, at a tiny canonical spec.
+"""Goldens: the full generated source of one kernel per matmul family, at a tiny canonical spec,
+and of one pointwise kernel (the step wrapper's golden is test_triton_wrapper_golden.py).
 
-Kept to three on purpose (Helion's lesson: whole-kernel snapshots break on
+Kept few on purpose (Helion's lesson: whole-kernel snapshots break on
 every codegen tweak); numerics live in test_triton_kernels.py. Regenerate
-with ``EXPECTTEST_ACCEPT=1 pytest tests/test_triton_goldens.py``.
+with ``EXPECTTEST_ACCEPT=1 pytest tests/test_triton_goldens.py`` and review
+the diff line by line.
 """
 
 from __future__ import annotations
@@ -54,14 +56,10 @@ def ns_gram_bf16_b1_16x32_norm_clamp(
         offs_p = p0 + tl.arange(0, BLOCK_P)
         sumsq += tl.load(partials_ptr + batch * P + offs_p, mask=offs_p < P, other=0.0)
     norm = tl.sqrt_rn(tl.sum(sumsq, axis=0))
-    norm_bits = norm.to(tl.uint32, bitcast=True)
-    norm_bits = (norm_bits + 0x7FFF + ((norm_bits >> 16) & 1)) & 0xFFFF0000
-    norm = tl.where(norm != norm, norm, norm_bits.to(tl.float32, bitcast=True))
+    norm = round_bf16(norm)
     eps = tl.load(eps_ptr)  # a device scalar, so CUDA-graph replay sees its current value
     denom = tl.where(norm < eps, eps, norm)  # max(norm, eps) that keeps a NaN norm, as clamp does
-    denom_bits = denom.to(tl.uint32, bitcast=True)
-    denom_bits = (denom_bits + 0x7FFF + ((denom_bits >> 16) & 1)) & 0xFFFF0000
-    denom = tl.where(denom != denom, denom, denom_bits.to(tl.float32, bitcast=True))
+    denom = round_bf16(denom)
     x0_base = x0_ptr + batch * (M * K)
     acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -69,9 +67,7 @@ def ns_gram_bf16_b1_16x32_norm_clamp(
         x_i_mask = (rows_i[:, None] < M) & (ks[None, :] < K)
         x_i = tl.load(x_base + rows_i[:, None] * K + ks[None, :], mask=x_i_mask, other=0.0)
         x_i = tl.math.div_rn(x_i.to(tl.float32), denom)  # true division, as eager divides
-        x_i_bits = x_i.to(tl.uint32, bitcast=True)
-        x_i_bits = (x_i_bits + 0x7FFF + ((x_i_bits >> 16) & 1)) & 0xFFFF0000
-        x_i = tl.where(x_i != x_i, x_i, x_i_bits.to(tl.float32, bitcast=True))
+        x_i = round_bf16(x_i)
         # X0 for the next kernels: each block row has one diagonal tile, whose program writes it
         if pid_i == pid_j:
             tl.store(x0_base + rows_i[:, None] * K + ks[None, :], x_i.to(tl.bfloat16), mask=x_i_mask)
@@ -80,15 +76,11 @@ def ns_gram_bf16_b1_16x32_norm_clamp(
         x_j_mask = (rows_j[:, None] < M) & (ks[None, :] < K)
         x_j = tl.load(x_base + rows_j[:, None] * K + ks[None, :], mask=x_j_mask, other=0.0)
         x_j = tl.math.div_rn(x_j.to(tl.float32), denom)  # true division, as eager divides
-        x_j_bits = x_j.to(tl.uint32, bitcast=True)
-        x_j_bits = (x_j_bits + 0x7FFF + ((x_j_bits >> 16) & 1)) & 0xFFFF0000
-        x_j = tl.where(x_j != x_j, x_j, x_j_bits.to(tl.float32, bitcast=True))
+        x_j = round_bf16(x_j)
         if not UPCAST:
             x_j = x_j.to(tl.bfloat16)
         acc = tl.dot(x_i, tl.trans(x_j), acc)
-    acc_bits = acc.to(tl.uint32, bitcast=True)
-    acc_bits = (acc_bits + 0x7FFF + ((acc_bits >> 16) & 1)) & 0xFFFF0000
-    acc = tl.where(acc != acc, acc, acc_bits.to(tl.float32, bitcast=True))
+    acc = round_bf16(acc)
     out_base = out_ptr + batch * (M * M)
     lower = (rows_i[:, None] < M) & (rows_j[None, :] <= rows_i[:, None])
     tl.store(out_base + rows_i[:, None] * M + rows_j[None, :], acc.to(tl.bfloat16), mask=lower)
@@ -146,9 +138,7 @@ def ns_sym_poly_bf16_b1_16x16(
     # the order of newton_schulz._gram: (b A + a I) + c A^2, one rounding at the end
     res = b * tile.to(tl.float32) + tl.where(rows_i[:, None] == rows_j[None, :], a, 0.0)
     res = res + c * acc
-    res_bits = res.to(tl.uint32, bitcast=True)
-    res_bits = (res_bits + 0x7FFF + ((res_bits >> 16) & 1)) & 0xFFFF0000
-    res = tl.where(res != res, res, res_bits.to(tl.float32, bitcast=True))
+    res = round_bf16(res)
     out_base = out_ptr + batch * (M * M)
     lower = (rows_i[:, None] < M) & (rows_j[None, :] <= rows_i[:, None])
     tl.store(out_base + rows_i[:, None] * M + rows_j[None, :], res.to(tl.bfloat16), mask=lower)
@@ -204,9 +194,7 @@ def ns_gemm_bf16_b1_16x32x16_acc(
     c_mask = (rows[:, None] < M) & (cols[None, :] < N)
     c = tl.load(c_ptr + out_offs + rows[:, None] * N + cols[None, :], mask=c_mask, other=0.0)
     res = res + beta * c.to(tl.float32)
-    res_bits = res.to(tl.uint32, bitcast=True)
-    res_bits = (res_bits + 0x7FFF + ((res_bits >> 16) & 1)) & 0xFFFF0000
-    res = tl.where(res != res, res, res_bits.to(tl.float32, bitcast=True))
+    res = round_bf16(res)
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(out_ptr + out_offs + rows[:, None] * N + cols[None, :], res.to(tl.bfloat16), mask=out_mask)
 
@@ -227,8 +215,9 @@ class TestPointwiseKernelGolden(TestCase):
         # step on one 4x6 matrix: momentum lerp, nesterov lerp, the cast and
         # stacked store into the NS workspace, the norm partials.
         from hocompile.capture import capture
+        from hocompile.lowering.triton.op_groups import Workspace, find_op_groups
         from hocompile.lowering.triton.pointwise import generate_pointwise, region_spec
-        from hocompile.lowering.triton.regions import find_ns_groups, find_regions
+        from hocompile.lowering.triton.regions import find_regions
         from hocompile.passes import default_pipeline, run_pipeline
         from hocompile.settings import Settings
         from hocompile.targets import gpu_target
@@ -240,15 +229,16 @@ class TestPointwiseKernelGolden(TestCase):
         with torch.no_grad():
             captured = capture(opt, Settings().structural_keys)
         gm, _ = run_pipeline(captured.gm, default_pipeline(gpu_target("sm90"), force_batch=True), frozenset(), None)
-        groups, refs = find_ns_groups(gm)
+        groups, refs = find_op_groups(gm)
         region = next(r for r in find_regions(gm, groups) if r.feed is not None)
-        spec = region_spec(region, {n: r.transposed for n, r in refs.items()}, torch.bfloat16, "interpret")
+        workspace = Workspace(torch.bfloat16, norm_partials=True)  # the NS compute dtype's
+        spec = region_spec(region, {n: r.transposed for n, r in refs.items()}, workspace, "interpret")
         self.assertExpectedInline(generate_pointwise(spec, "capture nodes lerp, lerp_1").source, """\
-# kernel pw_lerp_lerp_ns_4x6_3ef256: family pointwise; from capture nodes lerp, lerp_1
-# shape [4, 6]; row = 2 inputs, 2 outputs, NS workspace + norm partials, 2 scalar indices
+# kernel pw_lerp_lerp_ws_4x6_783d0c: family pointwise; from capture nodes lerp, lerp_1
+# shape [4, 6]; row = 2 inputs, 1 outputs, workspace + norm partials, 2 scalar indices
 # tile BLOCK=64 num_warps=1
 @triton.jit
-def pw_lerp_lerp_ns_4x6_3ef256(ptrs, base, scal, N, C, R, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def pw_lerp_lerp_ws_4x6_783d0c(ptrs, base, scal, N, C, R, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     member = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -257,26 +247,23 @@ def pw_lerp_lerp_ns_4x6_3ef256(ptrs, base, scal, N, C, R, WIDTH: tl.constexpr, B
     x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x1_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
     x1 = tl.load(x1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s0 = tl.load(scal + tl.load(row + 6))
-    s1 = tl.load(scal + tl.load(row + 7))
+    s0 = tl.load(scal + tl.load(row + 5))
+    s1 = tl.load(scal + tl.load(row + 6))
     v0 = tl.where(tl.abs(s0) < 0.5, x0 + s0 * (x1 - x0), x1 - (x1 - x0) * (1.0 - s0))  # aten.lerp.Scalar
     v1 = tl.where(tl.abs(s1) < 0.5, x1 + s1 * (v0 - x1), v0 - (v0 - x1) * (1.0 - s1))  # aten.lerp.Scalar
     o0_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     tl.store(o0_ptr + offs, v0.to(tl.float32), mask=mask)
-    o1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    tl.store(o1_ptr + offs, v1.to(tl.float32), mask=mask)
-    # Newton-Schulz input: rounded to bf16 (the NS cast), stacked, norm partials
+    # op-group input: rounded to bf16 (the op's cast), stacked, norm partials
     f = v1
-    f_bits = f.to(tl.uint32, bitcast=True)
-    f_bits = (f_bits + 0x7FFF + ((f_bits >> 16) & 1)) & 0xFFFF0000
-    f = tl.where(f != f, f, f_bits.to(tl.float32, bitcast=True))
-    f_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
+    f = round_bf16(f)
+    f_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
     tl.store(f_ptr + offs, f.to(tl.bfloat16), mask=mask)
-    part_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    part_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     tl.store(part_ptr + tl.program_id(0), tl.sum(tl.where(mask, f * f, 0.0), axis=0))
 
 
-def launch_pw_lerp_lerp_ns_4x6_3ef256(ptrs, base, scal, members):
+def launch_pw_lerp_lerp_ws_4x6_783d0c(ptrs, base, scal, members):
     grid = (triton.cdiv(24, 64), members)
-    pw_lerp_lerp_ns_4x6_3ef256[grid](ptrs, base, scal, 24, 6, 4, WIDTH=8, BLOCK=64, num_warps=1)
+    pw_lerp_lerp_ws_4x6_783d0c[grid](ptrs, base, scal, 24, 6, 4, WIDTH=7, BLOCK=64, num_warps=1)
 """)
+

@@ -38,6 +38,7 @@ from hocompile.lowering.triton.ns_kernels import (
     generate_gram,
     generate_sym_poly,
 )
+from hocompile.lowering.triton.op_groups import allocations
 from hocompile.lowering.triton.tiles import MATMUL_TILES
 from hocompile.newton_schulz import _round, newton_schulz, reference_fp64
 
@@ -197,24 +198,30 @@ def test_gemm(case: str, tmp_path: Path) -> None:
 
 
 def _ns_body(w: CodeWriter, **kw: object) -> list[KernelSource]:
+    body = CodeWriter()
+    emitted = emit_newton_schulz(
+        body,
+        x="x",
+        partials="partials",
+        P="3",
+        eps="eps",
+        out="out",
+        arch=ARCH,
+        origin="test",
+        upcast="upcast",
+        prefix="ns0_",
+        **kw,  # type: ignore[arg-type]
+    )
+    # The emitter's launch count is what its lines launch; its temporaries are the caller's to allocate.
+    assert body.text().count("launch_") == emitted.launches
+    assert "torch.empty" not in body.text()
     w.line("def run(x, eps, out, upcast):")
     with w.indent():
         w.line("partials = torch.stack([c.sum(1) for c in x.float().square().flatten(1).tensor_split(3, dim=1)], 1)")
-        kernels = emit_newton_schulz(
-            w,
-            x="x",
-            partials="partials",
-            P="3",
-            eps="eps",
-            out="out",
-            arch=ARCH,
-            origin="test",
-            upcast="upcast",
-            prefix="ns0_",
-            **kw,  # type: ignore[arg-type]
-        )
+        w.lines(allocations(emitted.buffers, "x.device"))
+        w.extend(body)
         w.line("return out")
-    return kernels
+    return emitted.kernels
 
 
 def _coefficients(kind: str) -> list[tuple[float, float, float]]:
@@ -355,10 +362,10 @@ def test_gram_launch_count_follows_the_algorithm() -> None:
 def test_stable_names_and_spec_checks() -> None:
     assert GramSpec(12, 768, 3072, torch.bfloat16, "sm90").name == "ns_gram_bf16_b12_768x3072"
     gram = GramSpec(1, 4, 8, torch.float32, "sm90", normalize=True, eps_mode="add")
-    assert gram.name == "ns_gram_f32_b1_4x8_norm_add"
+    assert gram.name == "ns_gram_fp32_b1_4x8_norm_add"
     assert SymPolySpec(2, 4, torch.bfloat16, "sm90", cubic=True).name == "ns_sym_poly_bf16_b2_4x4_cubic"
     spec = GemmSpec(2, 4, 8, 4, torch.bfloat16, "sm90", out_dtype=torch.float32, accumulate=True)
-    assert spec.name == "ns_gemm_bf16_b2_4x8x4_acc_out_f32"
+    assert spec.name == "ns_gemm_bf16_b2_4x8x4_acc_out_fp32"
     # out_dtype equal to the compute dtype is the default: one spec, one name, one kernel
     assert GemmSpec(2, 4, 8, 4, torch.float32, "sm90", out_dtype=torch.float32) == GemmSpec(
         2, 4, 8, 4, torch.float32, "sm90"

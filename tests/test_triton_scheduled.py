@@ -22,6 +22,7 @@ import torch
 from hocompile.lowering.triton import module
 from hocompile.lowering.triton.code import CodeWriter, KernelSource
 from hocompile.lowering.triton.ns_scheduled import check_schedule, emit_newton_schulz_scheduled, schedule_formats
+from hocompile.lowering.triton.op_groups import allocations
 from hocompile.newton_schulz import reference_fp64
 from hocompile.precision.calibrate import parse_schedule_key
 from hocompile.precision.schedule_ns import newton_schulz_scheduled
@@ -47,18 +48,24 @@ def _load(kernels: list[KernelSource], body: str, tmp_path: Path) -> ModuleType:
 
 def _run(x: torch.Tensor, schedule: str, out_dtype: torch.dtype, tmp_path: Path, eps: float = 1e-7) -> tuple:
     batch, m, n = x.shape
+    body = CodeWriter()
+    emitted = emit_newton_schulz_scheduled(
+        body, x="x", partials="partials", P="3", eps="eps", out="out", batch=batch, m=m, n=n,
+        coefficients=KJ, schedule=parse_schedule_key(schedule), out_dtype=out_dtype, eps_mode="clamp",
+        arch="interpret", origin="test", upcast="upcast", prefix="ns0_",
+    )
+    # The emitter's launch count is what its lines launch; its temporaries are the caller's to allocate.
+    assert body.text().count("launch_") + body.text().count(".copy_(") == emitted.launches
+    assert "torch.empty" not in body.text()
     w = CodeWriter()
     w.line("def run(x, eps, out, upcast):")
     with w.indent():
         w.line("partials = torch.stack([c.sum(1) for c in x.float().square().flatten(1).tensor_split(3, dim=1)], 1)")
-        kernels = emit_newton_schulz_scheduled(
-            w, x="x", partials="partials", P="3", eps="eps", out="out", batch=batch, m=m, n=n,
-            coefficients=KJ, schedule=parse_schedule_key(schedule), out_dtype=out_dtype, eps_mode="clamp",
-            arch="interpret", origin="test", upcast="upcast", prefix="ns0_",
-        )
+        w.lines(allocations(emitted.buffers, "x.device"))
+        w.extend(body)
         w.line("return out")
     out = torch.empty(batch, m, n, dtype=out_dtype)
-    _load(kernels, w.text(), tmp_path).run(x, torch.tensor(eps), out, True)
+    _load(emitted.kernels, w.text(), tmp_path).run(x, torch.tensor(eps), out, True)
     return out, w.text()
 
 

@@ -212,6 +212,30 @@ def test_launches_per_step_bounded_by_shape_groups_not_parameters() -> None:
     assert _gpt2_wrapper(layers=2).launches == plan.launches  # independent of the parameter count
 
 
+def test_gpt2_wrapper_stores_nothing_unread_and_labels_its_tables() -> None:
+    """Issue 11, item 6, on GPT-2-small's wrapper (sm90): what the generated step must not regress to."""
+    plan = _gpt2_wrapper(layers=1)
+    buffers_fn, rest = plan.body.split("def tables(")
+    launch_fn = rest.split("def launch(")[1].split("def forward(")[0]
+    # The pre-NS kernel stores the momentum buffer (in place), the NS input and its norm partials:
+    # not the NS input a second time into a buffer nothing reads.
+    feeding = [k for k in plan.kernels if k.family == "pointwise" and "_ws_" in k.name]
+    assert len(feeding) == len(GPT2_SHAPES)
+    assert all(k.source.count("tl.store(") == 3 for k in feeding), feeding[0].source
+    # Every buffer belongs to an op group (workspace, partials, result, the emitter's temporaries),
+    # none to a parameter; and launch() allocates nothing (one allocation per group, in buffers()).
+    allocated = re.findall(r"^    (\w+) = torch\.empty\(", buffers_fn, re.M)
+    assert allocated and all(re.fullmatch(r"(ws|part|out)\d+|g\d+_\w+", name) for name in allocated), allocated
+    assert "torch.empty" not in launch_fn
+    # One labelled table per fused launch: launches name their table's offset, no magic numbers.
+    offsets = re.findall(r"\(ptrs, (\w+), scal, \d+\)", launch_fn)
+    assert offsets and offsets == [f"PW{k}" for k in range(len(offsets))], offsets
+    assert all(f"    pw{k} = [" in rest for k in range(len(offsets)))
+    # bf16 rounding is one shared helper, not inlined at every use.
+    assert all("0xFFFF0000" not in k.source for k in plan.kernels)  # the bf16 mask (e4m3 has its own)
+    assert any("round_bf16" in k.helpers for k in plan.kernels)
+
+
 def test_static_buffer_replay_with_fresh_tables_matches(cache_dir) -> None:
     # cuda_graphs=True: buffers are allocated once, addresses and scalars are
     # refreshed into static device tables before each replay. On CPU the
@@ -274,8 +298,9 @@ def _launcher_source(launch) -> str:  # type: ignore[no-untyped-def]
 
 def _muon_pointwise_kernels(arch: str):  # type: ignore[no-untyped-def]
     """The pointwise kernels of a steady-state torch.optim.Muon step on a 40x24 and a 24x40 matrix."""
+    from hocompile.lowering.triton.op_groups import Workspace, find_op_groups
     from hocompile.lowering.triton.pointwise import generate_pointwise, region_spec
-    from hocompile.lowering.triton.regions import find_ns_groups, find_regions
+    from hocompile.lowering.triton.regions import find_regions
 
     params = [torch.nn.Parameter(torch.zeros(40, 24)), torch.nn.Parameter(torch.zeros(24, 40))]
     opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
@@ -285,10 +310,10 @@ def _muon_pointwise_kernels(arch: str):  # type: ignore[no-untyped-def]
     with torch.no_grad():
         captured = capture(opt, Settings().structural_keys)
     gm, _ = run_pipeline(captured.gm, default_pipeline(gpu_target("sm90"), force_batch=True), frozenset(), None)
-    groups, refs = find_ns_groups(gm)
+    groups, refs = find_op_groups(gm)
     layout = {n: r.transposed for n, r in refs.items()}
     return [
-        generate_pointwise(region_spec(r, layout, torch.bfloat16 if r.feed else None, arch), "test")
+        generate_pointwise(region_spec(r, layout, Workspace(torch.bfloat16, True) if r.feed else None, arch), "test")
         for r in find_regions(gm, groups)
     ]
 

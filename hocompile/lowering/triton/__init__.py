@@ -1,13 +1,21 @@
 """Triton lowering: the step graph becomes generated kernels and a host wrapper.
 
-- regions.py / schedule.py decide what is launched: one horizontally fused
-  pointwise kernel per group of isomorphic per-parameter regions, and a
-  fixed sequence of matmul kernels per Newton–Schulz group;
+- regions.py / op_groups.py / schedule.py decide what is launched, as
+  units: a *pointwise group* (one horizontally fused kernel for isomorphic
+  per-parameter regions), a *registered op group* (a ``hocompile::`` op
+  whose family registered a Triton emitter with
+  ``registry.register_lowering(op, "triton", emitter)``; Newton–Schulz's is
+  ns_group.py, registered when this package is imported), or an *aten call*
+  (anything else, a registered op without a Triton emitter included);
 - pointwise.py and ns_kernels.py generate each kernel from a small spec
   (one generator per family, stable names, a provenance header);
 - wrapper.py writes ``forward()``; the whole module is written to the cache
   directory and imported from there (readable tracebacks, ``breakpoint()``,
   ``TRITON_INTERPRET=1``).
+
+:func:`lower_to_triton` returns a plain runnable; replaying the generated
+``launch()`` from a CUDA graph (``runtime/step_graph.py``) is the runtime's
+business, which :attr:`TritonModule.module` and ``graph_safe`` allow.
 
 On CUDA tensors the kernels compile for the device; on CPU tensors they run
 in Triton's interpreter (``TRITON_INTERPRET=1``, which this module sets
@@ -26,25 +34,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ...targets import device_arch
+from . import ns_group  # noqa: F401  (registers Newton–Schulz's Triton emitter with its op family)
+from .autotune import autotune as tune
 from .code import KernelSource
 from .module import assemble, load
-from .tiles import MATMUL_TILES, tile_overrides
+from .tiles import tile_overrides
 from .wrapper import generate_wrapper
-
-TRITON_LOWERING_VERSION = "triton-1"
-
-
-def device_arch(device: torch.device) -> str:
-    """The tile-table architecture for ``device``: "interpret" on CPU, else smXY."""
-    if device.type != "cuda":
-        return "interpret"
-    major, minor = torch.cuda.get_device_capability(device)
-    name = f"sm{major}{minor}"
-    if name in MATMUL_TILES:
-        return name
-    known = sorted((k for k in MATMUL_TILES if k.startswith("sm")), key=lambda k: int(k[2:]))
-    older = [k for k in known if int(k[2:]) <= major * 10 + minor]
-    return older[-1] if older else known[0]
 
 
 def _enter_interpreter() -> None:
@@ -69,6 +65,9 @@ def _enter_interpreter() -> None:
 
 @dataclass
 class TritonModule:
+    """A lowered step: ``run(args)`` runs it once; ``module`` is the generated module, whose
+    ``buffers()``/``tables()``/``launch()`` a CUDA-graph replay drives when ``graph_safe``."""
+
     run: Callable[[list[Any]], tuple[torch.Tensor, ...]]
     path: Path
     source: str
@@ -90,13 +89,19 @@ def lower_to_triton(
     cuda_graphs: bool = False,
     autotune: bool = False,
 ) -> TritonModule:
+    """Generate, write and load the step module for ``gm``; ``run`` is a plain runnable.
+
+    ``cuda_graphs`` is accepted only as False: wrapping for CUDA-graph replay
+    lives in the runtime (it stays a positional parameter until the runtime's
+    call stops passing it).
+    """
+    if cuda_graphs:
+        raise ValueError("lower_to_triton returns a plain runnable; the runtime wraps it for CUDA-graph replay")
     arch = device_arch(device)
     if arch == "interpret":
         _enter_interpreter()
     plan = generate_wrapper(gm, copy_into, arch, upcast="_UPCAST")
     if autotune:
-        from .autotune import autotune as tune
-
         # Tile choices change only launch constants, never the plan: regenerate with the winners.
         with tile_overrides(tune(plan.kernels, cache_dir, arch, device)):
             plan = generate_wrapper(gm, copy_into, arch, upcast="_UPCAST")
@@ -120,11 +125,6 @@ def lower_to_triton(
     def run(args: list[Any]) -> tuple[torch.Tensor, ...]:
         return forward(gm, *args)
 
-    if cuda_graphs and plan.graph_safe:
-        from ...runtime.step_graph import GraphedStep
-
-        run = GraphedStep(module, gm, device)
-
     path = Path(module.__file__ or "")
     unique = list({k.name: k for k in plan.kernels}.values())
     return TritonModule(
@@ -132,4 +132,4 @@ def lower_to_triton(
     )
 
 
-__all__ = ["KernelSource", "TritonModule", "device_arch", "lower_to_triton", "TRITON_LOWERING_VERSION"]
+__all__ = ["KernelSource", "TritonModule", "lower_to_triton"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...runtime.cache import read_json, write_json
+from ...diskcache import read_json, write_json
 from .code import KernelSource
 from .matmul_kernels import GemmSpec, GramSpec, SymPolySpec, generate_gemm, generate_gram, generate_sym_poly
 from .module import assemble, interpreting, load

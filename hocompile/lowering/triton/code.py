@@ -1,7 +1,7 @@
 """Small helpers for writing generated Python/Triton source.
 
 Generators build source line by line with :class:`CodeWriter`; no template
-string holds logic (STYLE.md), so every branch of a generator is plain Python
+string holds logic, so every branch of a generator is plain Python
 that reads top to bottom.
 """
 
@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .jit_helpers import ROUND_BF16
+
 TL_DTYPE = {
     torch.float32: "tl.float32",
     torch.bfloat16: "tl.bfloat16",
     torch.float16: "tl.float16",
     torch.float64: "tl.float64",
 }
-SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
 
 
 class CodeWriter:
@@ -28,6 +29,7 @@ class CodeWriter:
     def __init__(self) -> None:
         self._lines: list[str] = []
         self._depth = 0
+        self.helpers: set[str] = set()  # shared @triton.jit helpers the text calls (jit_helpers.py)
 
     def line(self, text: str = "") -> None:
         self._lines.append(("    " * self._depth + text) if text else "")
@@ -47,9 +49,7 @@ class CodeWriter:
     def extend(self, other: CodeWriter) -> None:
         """Append ``other``'s lines, indented to this writer's current depth."""
         self._lines += [("    " * self._depth + line) if line else "" for line in other._lines]
-
-    def count(self, needle: str) -> int:
-        return sum(line.count(needle) for line in self._lines)
+        self.helpers |= other.helpers
 
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"
@@ -70,6 +70,7 @@ class KernelSource:
     origin: str  # pass and graph nodes this kernel came from
     source: str
     tile: dict[str, int] = field(default_factory=dict)
+    helpers: tuple[str, ...] = ()  # shared @triton.jit helpers ``source`` calls; assemble() defines them once
 
     @property
     def launcher(self) -> str:
@@ -83,11 +84,6 @@ def emit_round(w: CodeWriter, var: str, dtype: torch.dtype) -> None:
     if dtype == torch.float16:
         w.line(f"{var} = {var}.to(tl.float16).to(tl.float32)")
         return
-    # Round-to-nearest-even on the bits: Triton's interpreter truncates when
-    # it casts fp32 to bf16, and this is exact on GPUs too, so one code path
-    # is tested on CPU and run on GPU. NaN is kept (the carry could make it inf).
-    # Its own name per variable: a scalar and a tile sharing one would clash as loop-carried values.
-    bits = f"{var}_bits"
-    w.line(f"{bits} = {var}.to(tl.uint32, bitcast=True)")
-    w.line(f"{bits} = ({bits} + 0x7FFF + (({bits} >> 16) & 1)) & 0xFFFF0000")
-    w.line(f"{var} = tl.where({var} != {var}, {var}, {bits}.to(tl.float32, bitcast=True))")
+    # bf16: the shared helper rounds on the bits (jit_helpers.py says why).
+    w.helpers.add(ROUND_BF16)
+    w.line(f"{var} = {ROUND_BF16}({var})")

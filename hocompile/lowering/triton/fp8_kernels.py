@@ -56,7 +56,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .code import SHORT, CodeWriter, KernelSource, emit_round
+from ... import dtypes
+from .code import CodeWriter, KernelSource, emit_round
 from .tile_code import cast, cdiv, header, lower_grid, lower_tile, store, store_symmetric, wrapped
 from .tiles import TileConfig, matmul_tile
 
@@ -110,7 +111,7 @@ class Fp8GemmSpec:
         flags = ("_acc" if self.accumulate else "") + ("_sym" if self.symmetric else "")
         flags += "_amax" if self.amax_out else ""
         shape = f"b{self.batch}_{self.m}x{self.n}x{self.k}"
-        return f"ns_gemm_{fmt}_{shape}{flags}_out_{SHORT[self.out_dtype]}"
+        return f"ns_gemm_{fmt}_{shape}{flags}_out_{dtypes.name(self.out_dtype)}"
 
 
 def fp8_tile(spec: Fp8GemmSpec) -> TileConfig:
@@ -284,7 +285,7 @@ def generate_fp8_gemm(spec: Fp8GemmSpec, origin: str) -> KernelSource:
     w.line()
     w.line()
     _emit_launcher(w, spec, tile)
-    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())
+    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict(), tuple(sorted(w.helpers)))
 
 
 def _emit_launcher(w: CodeWriter, spec: Fp8GemmSpec, tile: TileConfig) -> None:

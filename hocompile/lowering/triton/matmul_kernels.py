@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import dtypes
 from ...newton_schulz import EPS_MODES
-from .code import SHORT, TL_DTYPE, CodeWriter, KernelSource
+from .code import TL_DTYPE, CodeWriter, KernelSource
 from .code import emit_round as _round
 from .tile_code import (
     cast,
@@ -79,8 +80,8 @@ class GramSpec:
     @property
     def name(self) -> str:
         norm = f"_norm_{self.eps_mode}" if self.normalize else ""
-        src = f"_from_{SHORT[self.in_dtype]}" if self.in_dtype is not None else ""
-        return f"ns_gram_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.k}{norm}{src}"
+        src = f"_from_{dtypes.name(self.in_dtype)}" if self.in_dtype is not None else ""
+        return f"ns_gram_{dtypes.name(self.dtype)}_b{self.batch}_{self.m}x{self.k}{norm}{src}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class SymPolySpec:
     @property
     def name(self) -> str:
         cubic = "_cubic" if self.cubic else ""
-        return f"ns_sym_poly_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.m}{cubic}"
+        return f"ns_sym_poly_{dtypes.name(self.dtype)}_b{self.batch}_{self.m}x{self.m}{cubic}"
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,9 @@ class GemmSpec:
     @property
     def name(self) -> str:
         flags = ("_acc" if self.accumulate else "") + ("_sym" if self.symmetric else "")
-        out = f"_out_{SHORT[self.stored_dtype]}" if self.stored_dtype != self.dtype else ""
-        src = f"_r_{SHORT[self.r_dtype]}" if self.r_dtype is not None else ""
-        return f"ns_gemm_{SHORT[self.dtype]}_b{self.batch}_{self.m}x{self.n}x{self.k}{flags}{src}{out}"
+        out = f"_out_{dtypes.name(self.stored_dtype)}" if self.stored_dtype != self.dtype else ""
+        src = f"_r_{dtypes.name(self.r_dtype)}" if self.r_dtype is not None else ""
+        return f"ns_gemm_{dtypes.name(self.dtype)}_b{self.batch}_{self.m}x{self.n}x{self.k}{flags}{src}{out}"
 
 
 # ---------------------------------------------------------------- line emitters
@@ -191,7 +192,7 @@ def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
         # normalisation this kernel does not do fails loudly.
         guard = "assert x0 is None and partials is None and eps is None, 'this gram kernel does not normalise'"
         launcher(w, name, params, grid, note, ["x", "out"], consts, guard)
-    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())
+    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict(), tuple(sorted(w.helpers)))
 
 
 def _gram_denominator(w: CodeWriter, spec: GramSpec) -> None:
@@ -261,7 +262,7 @@ def generate_sym_poly(spec: SymPolySpec, origin: str) -> KernelSource:
     grid, note = lower_grid(spec.m, spec.batch, tile)
     consts = [f"M={spec.m}"] + tile_consts(tile, square=True)
     launcher(w, name, "A, out, a, b, c, *, upcast", grid, note, ["A", "out", "a", "b", "c"], consts)
-    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())
+    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict(), tuple(sorted(w.helpers)))
 
 
 # ---------------------------------------------------------------- gemm
@@ -325,4 +326,4 @@ def generate_gemm(spec: GemmSpec, origin: str) -> KernelSource:
     args = ["L", "R", "out", "alpha"] + (["C", "beta"] if spec.accumulate else [])
     guard = None if spec.accumulate else "assert C is None, 'this gemm kernel does not accumulate'"
     launcher(w, name, "L, R, out, alpha, *, upcast, C=None, beta=0.0", grid, note, args, consts, guard)
-    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict())
+    return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict(), tuple(sorted(w.helpers)))

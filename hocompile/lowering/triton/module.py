@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from ...runtime.cache import DiskCache, load_generated
+from ...diskcache import DiskCache, load_generated
 from .code import KernelSource
+from .jit_helpers import helper_source
 
 PRELUDE = [
     "import os",
@@ -20,9 +21,12 @@ PRELUDE = [
 
 
 def assemble(kernels: list[KernelSource], body: str = "", header: str = "") -> str:
-    """Module text: header, imports, each kernel once (by name), then ``body``."""
+    """Module text: header, imports, the shared helpers the kernels call, each kernel once (by name), then ``body``."""
     parts = [header.rstrip("\n")] if header else []
     parts.append("\n".join(PRELUDE))
+    helpers = helper_source(name for kernel in kernels for name in kernel.helpers)
+    if helpers:
+        parts.append(helpers)
     seen: set[str] = set()
     for kernel in kernels:
         if kernel.name in seen:

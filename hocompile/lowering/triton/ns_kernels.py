@@ -24,15 +24,19 @@ gram (Gram NS)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ... import dtypes
 from .code import CodeWriter, KernelSource
 from .matmul_kernels import GemmSpec, GramSpec, SymPolySpec, generate_gemm, generate_gram, generate_sym_poly
+from .op_groups import Buffer
 
 __all__ = [
     "GemmSpec",
     "GramSpec",
+    "NSLaunches",
     "SymPolySpec",
     "emit_newton_schulz",
     "generate_gemm",
@@ -41,18 +45,31 @@ __all__ = [
 ]
 
 
+@dataclass
+class NSLaunches:
+    """What an NS emitter wrote launch lines for: the kernels (each once), the buffers the lines
+    use (the caller allocates them, once, before the lines run) and how many launches the lines make."""
+
+    kernels: list[KernelSource]
+    buffers: list[Buffer]
+    launches: int
+
+
 class Temporaries:
-    """Temporaries of one NS, allocated where first needed and reused once dead.
+    """Temporaries of one NS, named where first needed and reused once dead.
 
     A launch reads its inputs while other programs write its output, so an
     output never shares a buffer with the launch's inputs (``busy``). Buffers
     are reused by shape and dtype (a scheduled NS stores each iteration's
-    iterate in its own format).
+    iterate in its own format). Nothing is allocated here: ``buffers`` lists
+    them for the caller to allocate once per step (``buffers()`` of the
+    generated module), so ``launch()`` allocates nothing.
     """
 
-    def __init__(self, w: CodeWriter, prefix: str, x: str, batch: int, dtype: torch.dtype) -> None:
-        self.w, self.prefix, self.x, self.batch, self.dtype = w, prefix, x, batch, dtype
+    def __init__(self, prefix: str, batch: int, dtype: torch.dtype) -> None:
+        self.prefix, self.batch, self.dtype = prefix, batch, dtype
         self.shapes: dict[str, tuple[int, int, torch.dtype]] = {}
+        self.buffers: list[Buffer] = []
 
     def take(self, rows: int, cols: int, dtype: torch.dtype | None = None, *, busy: Sequence[str | None]) -> str:
         dtype = dtype or self.dtype
@@ -61,16 +78,22 @@ class Temporaries:
                 return name
         name = f"{self.prefix}buf{len(self.shapes)}"
         self.shapes[name] = (rows, cols, dtype)
-        self.w.line(f"{name} = torch.empty(({self.batch}, {rows}, {cols}), device={self.x}.device, dtype={dtype})")
+        self.buffers.append(Buffer(name, (self.batch, rows, cols), dtype))
         return name
+
+    def fixed(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+        """A buffer never reused (an amax partials vector): ``prefix + name``."""
+        self.buffers.append(Buffer(self.prefix + name, shape, dtype))
+        return self.prefix + name
 
 
 class KernelSet:
-    """Generates each spec once and remembers the order of first use."""
+    """Generates each spec once and remembers the order of first use; counts the launches."""
 
     def __init__(self, origin: str) -> None:
         self.origin = origin
         self.used: dict[str, KernelSource] = {}
+        self.launches = 0  # each launch line asks for its launcher once
 
     def gram(self, spec: GramSpec) -> str:
         return self._use(spec.name, lambda: generate_gram(spec, self.origin))
@@ -82,6 +105,7 @@ class KernelSet:
         return self._use(spec.name, lambda: generate_gemm(spec, self.origin))
 
     def _use(self, name: str, generate: Callable[[], KernelSource]) -> str:
+        self.launches += 1
         if name not in self.used:
             self.used[name] = generate()
         return self.used[name].launcher
@@ -108,14 +132,15 @@ def emit_newton_schulz(
     origin: str,
     upcast: str,
     prefix: str,
-) -> list[KernelSource]:
+) -> NSLaunches:
     """Write the launches of one NS on ``x`` (``[batch, m, n]``, m <= n, in ``dtype``) into ``out``.
 
     ``partials`` names the ``[batch, P]`` fp32 partial sums of squares of x;
     the gram launcher reads their count from the tensor, so ``P`` (its
     expression) is only written into a comment. ``eps`` is a 0-d fp32 device
     tensor expression, ``upcast`` the expression passed as launchers' upcast.
-    Returns the kernels used, each once.
+    Returns the kernels used (each once), the temporaries (named ``prefix``
+    ``buf<i>``, for the caller to allocate) and the launch count.
     """
     if m > n:
         raise ValueError(f"emit_newton_schulz takes the wide orientation (m <= n), got {m}x{n}")
@@ -124,10 +149,10 @@ def emit_newton_schulz(
     if not coefficients:
         raise ValueError("Newton–Schulz needs at least one iteration")
     kernels = KernelSet(origin)
-    temps = Temporaries(w, prefix, x, batch, dtype)
+    temps = Temporaries(prefix, batch, dtype)
     w.line(
         f"# Newton-Schulz ({algorithm}, {len(coefficients)} iterations) on {x}: {batch} x {m}x{n}, "
-        f"{dtype} -> {out_dtype}; partials {partials} [{batch}, {P}]"
+        f"{dtypes.name(dtype)} -> {dtypes.name(out_dtype)}; partials {partials} [{batch}, {P}]"
     )
     norm = GramSpec(batch, m, n, dtype, arch, normalize=True, eps_mode=eps_mode)
     if algorithm == "standard":
@@ -161,7 +186,7 @@ def emit_newton_schulz(
             restarts=restarts,
             upcast=upcast,
         )
-    return list(kernels.used.values())
+    return NSLaunches(list(kernels.used.values()), temps.buffers, kernels.launches)
 
 
 def _coefficient_comment(w: CodeWriter, k: int, a: float, b: float, c: float) -> None:

@@ -39,11 +39,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ... import dtypes
 from ...precision.emulate import FORMATS
-from .code import SHORT, CodeWriter, KernelSource
+from .code import CodeWriter, KernelSource
 from .fp8_kernels import FP8_ARCHS, FP8_FORMATS, Fp8GemmSpec, amax_tiles, generate_fp8_gemm
 from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, _gram_denominator
-from .ns_kernels import KernelSet, Temporaries
+from .ns_kernels import KernelSet, NSLaunches, Temporaries
 
 FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCALE_BLOCK = {"interpret": 256}  # elements per ns_scale program (the interpreter is slow per program)
@@ -71,7 +72,7 @@ def check_schedule(schedule: Sequence[str], arch: str, algorithm: str = "standar
 
 def _scale_name(batch: int, m: int, n: int, dtype: torch.dtype, normalize: bool, eps_mode: str, amax: bool) -> str:
     what = f"norm_{eps_mode}" if normalize else "amax"
-    return f"ns_scale_{SHORT[dtype]}_b{batch}_{m}x{n}_{what}" + ("_amax" if normalize and amax else "")
+    return f"ns_scale_{dtypes.name(dtype)}_b{batch}_{m}x{n}_{what}" + ("_amax" if normalize and amax else "")
 
 
 def scale_parts(m: int, n: int, arch: str) -> int:
@@ -130,7 +131,7 @@ def generate_scale(
             w.line(f"assert tuple(amax.shape) == ({batch}, {parts}) and amax.is_contiguous()")
         w.line(f"{name}[{grid}]({call}, NUMEL={m * n}, PARTS={parts}, BLOCK={block}, BLOCK_P={BLOCK_P})")
     spec = (batch, m, n, dtype, normalize, eps_mode, amax)
-    return KernelSource(name, "ns_scale", spec, origin, w.text(), {"BLOCK": block})
+    return KernelSource(name, "ns_scale", spec, origin, w.text(), {"BLOCK": block}, tuple(sorted(w.helpers)))
 
 
 # ---------------------------------------------------------------- emitter
@@ -156,12 +157,12 @@ def emit_newton_schulz_scheduled(
     upcast: str,
     prefix: str,
     algorithm: str = "standard",
-) -> list[KernelSource]:
+) -> NSLaunches:
     """Write the launches of one scheduled NS on fp32 ``x`` (``[batch, m, n]``, m <= n) into ``out``.
 
-    Arguments as :func:`ns_kernels.emit_newton_schulz`, but ``x`` must hold
-    the NS input in fp32 (the reference normalises the fp32 input) and
-    ``schedule`` names iteration k's format. Returns the kernels used, each once.
+    Arguments and result as :func:`ns_kernels.emit_newton_schulz`, but ``x``
+    must hold the NS input in fp32 (the reference normalises the fp32 input)
+    and ``schedule`` names iteration k's format.
     """
     if m > n:
         raise ValueError(f"emit_newton_schulz_scheduled takes the wide orientation (m <= n), got {m}x{n}")
@@ -176,10 +177,11 @@ def emit_newton_schulz_scheduled(
             raise NotImplementedError(f"{fmt} iterations of cubic coefficients (c = 0) have no kernels")
     kernels = KernelSet(origin)
     extra: dict[str, KernelSource] = {}
-    temps = Temporaries(w, prefix, x, batch, torch.float32)
+    temps = Temporaries(prefix, batch, torch.float32)
+    launches = 0  # ns_scale launches and the final copy; KernelSet counts the rest
     key = "+".join(schedule)
     w.line(
-        f"# Newton-Schulz (standard, scheduled {key}) on {x}: {batch} x {m}x{n}, fp32 -> {out_dtype}; "
+        f"# Newton-Schulz (standard, scheduled {key}) on {x}: {batch} x {m}x{n}, fp32 -> {dtypes.name(out_dtype)}; "
         f"partials {partials} [{batch}, {P}]"
     )
 
@@ -187,6 +189,8 @@ def emit_newton_schulz_scheduled(
         return k < len(schedule) and schedule[k] == "fp8_e4m3"
 
     def scale_kernel(dtype: torch.dtype, normalize: bool, amax: bool) -> str:
+        nonlocal launches
+        launches += 1
         kernel = generate_scale(batch, m, n, dtype, arch, origin, normalize=normalize, eps_mode=eps_mode, amax=amax)
         extra.setdefault(kernel.name, kernel)
         return kernel.launcher
@@ -197,8 +201,7 @@ def emit_newton_schulz_scheduled(
     x_amax: str | None = None
     w.line("# normalisation in fp32 (X0 = x / max(norm, eps)), as the scheduled reference's start()")
     if per_tensor(0):
-        x_amax = f"{prefix}amax_norm"
-        w.line(f"{x_amax} = torch.empty(({batch}, {parts}), device={x}.device, dtype=torch.float32)")
+        x_amax = temps.fixed("amax_norm", (batch, parts), torch.float32)
         w.line(f"{scale_kernel(torch.float32, True, True)}({x}, {X}, {partials}, {eps}, {x_amax})")
     else:
         w.line(f"{scale_kernel(torch.float32, True, False)}({x}, {X}, {partials}, {eps})")
@@ -227,13 +230,10 @@ def emit_newton_schulz_scheduled(
         tensor = fmt == "fp8_e4m3"
 
         def amax_buf(spec: Fp8GemmSpec, name: str, k: int = k) -> str:
-            buf = f"{prefix}amax_{name}{k}"
-            w.line(f"{buf} = torch.empty(({batch}, {amax_tiles(spec)}), device={x}.device, dtype=torch.float32)")
-            return buf
+            return temps.fixed(f"amax_{name}{k}", (batch, amax_tiles(spec)), torch.float32)
 
         if tensor and x_amax is None:
-            x_amax = f"{prefix}amax_x{k}"
-            w.line(f"{x_amax} = torch.empty(({batch}, {parts}), device={x}.device, dtype=torch.float32)")
+            x_amax = temps.fixed(f"amax_x{k}", (batch, parts), torch.float32)
             w.line(f"{scale_kernel(stored, False, True)}({X}, {x_amax})")
         gram8 = Fp8GemmSpec(batch, m, m, n, fmt, arch, storage, symmetric=True, amax_out=tensor)
         a_amax = amax_buf(gram8, "a") if tensor else None
@@ -253,8 +253,10 @@ def emit_newton_schulz_scheduled(
         w.line(f"{_fp8(kernels, update)}({B}, {X}, {target}, 1.0, upcast={upcast}, C={X}, beta={a!r}{amaxes})")
         if last and not direct:
             w.line(f"{out}.copy_({target})  # bf16 storage, then out_dtype, as the reference's finish()")
+            launches += 1
         X, x_amax, stored = target, x_next_amax, storage
-    return list(extra.values()) + list(kernels.used.values())
+    kernel_list = list(extra.values()) + list(kernels.used.values())
+    return NSLaunches(kernel_list, temps.buffers, launches + kernels.launches)
 
 
 def _fp8(kernels: KernelSet, spec: Fp8GemmSpec) -> str:

@@ -1,24 +1,20 @@
-"""Partition a step graph into what the Triton wrapper launches.
+"""Partition a step graph into what the Triton wrapper launches: pointwise regions.
 
 - **Pointwise regions**: connected elementwise aten ops over one shape
   (momentum, nesterov, weight decay, the lr-scaled update). A region is one
   kernel body; isomorphic regions (same ops, shapes, dtypes, input kinds)
   of different parameters form a *group*, launched once for all members
   through a pointer table (one program row per member).
-- **Newton–Schulz groups**: each ``hocompile::newton_schulz`` op (batched by
-  batch-by-shape, or a single matrix). The ``stack`` feeding it and the
-  ``unbind`` leaving it are absorbed: the pointwise kernel producing a member
-  stores straight into the stacked workspace (transposed where
-  batch-by-shape joined an n×m matrix to the m×n batch) and adds up its
-  Frobenius norm, and the kernels reading a member load from the stacked
-  result.
+- **Registered op groups** (op_groups.py): calls of ``hocompile::`` ops
+  whose family registered a Triton emitter. A region producing a member of
+  one also stores it into the group's workspace (``Region.feed``); a member
+  with no producing region gets an identity region (load, round, store).
 
 Anything else stays an aten call in the wrapper.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,34 +22,10 @@ import torch
 import torch.fx as fx
 
 from ...graph import ROLE, InputSlot
-from ...ops_schema import NewtonSchulzSpec
+from .op_groups import GroupRef, OpGroup
 from .pointwise_ops import is_scalar_arg, supported
 
-aten = torch.ops.aten
-NS = torch.ops.hocompile.newton_schulz.default
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class NSRef:
-    """Member ``slot`` of NS group ``group``: its input (``feed``) or result."""
-
-    group: int
-    slot: int
-    transposed: bool
-    feed: bool
-
-
-@dataclass
-class NSGroup:
-    index: int
-    node: fx.Node
-    batch: int
-    m: int
-    n: int
-    feeds: list[fx.Node | None]  # the value stored into each workspace slot
-    feed_transposed: list[bool]
-    absorbed: set[fx.Node] = field(default_factory=set)  # stack/unbind/getitem/permute views
 
 
 @dataclass
@@ -62,7 +34,7 @@ class Region:
     inputs: list[fx.Node] = field(default_factory=list)  # external tensors, first-use order
     outputs: list[fx.Node] = field(default_factory=list)  # values that escape
     scalars: list[Any] = field(default_factory=list)  # host-scalar placeholders / constants
-    feed: NSRef | None = None  # an output stored into an NS workspace slot
+    feed: GroupRef | None = None  # an output stored into an op group's workspace slot
     feed_value: fx.Node | None = None
 
     @property
@@ -93,66 +65,8 @@ def is_pointwise(node: fx.Node) -> bool:
     return True
 
 
-def _is_transpose(node: fx.Node) -> bool:
-    dims: Any = node.args[1] if len(node.args) > 1 else None
-    return node.op == "call_function" and node.target is aten.permute.default and list(dims) == [1, 0]
-
-
-def find_ns_groups(gm: fx.GraphModule) -> tuple[list[NSGroup], dict[fx.Node, NSRef]]:
-    """NS groups, and the NS-result reference each absorbed view node stands for."""
-    groups: list[NSGroup] = []
-    refs: dict[fx.Node, NSRef] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not NS:
-            continue
-        spec = NewtonSchulzSpec.from_node(node)
-        x = spec.x_node
-        index = len(groups)
-        val = x.meta["val"]
-        if val.dim() == 3 and x.target is aten.stack.default and len(x.users) == 1:
-            members = list(x.args[0])  # type: ignore[arg-type]
-            feeds: list[fx.Node | None] = []
-            flips: list[bool] = []
-            for member in members:
-                flip = _is_transpose(member) and len(member.users) == 1
-                feeds.append(member.args[0] if flip else member)  # type: ignore[arg-type, union-attr]
-                flips.append(flip)
-            group = NSGroup(index, node, len(members), int(val.shape[1]), int(val.shape[2]), feeds, flips)
-            group.absorbed.add(x)
-            group.absorbed.update(m for m, f in zip(members, flips) if f)
-            _absorb_unbind(group, node, refs)
-        elif val.dim() == 2:
-            flip = bool(spec.transpose)
-            rows, cols = int(val.shape[0]), int(val.shape[1])
-            m, n = (cols, rows) if flip else (rows, cols)
-            group = NSGroup(index, node, 1, m, n, [x], [flip])
-            refs[node] = NSRef(index, 0, flip, feed=False)
-        else:
-            continue  # a batched op fed by something other than a stack: aten
-        groups.append(group)
-    return groups, refs
-
-
-def _absorb_unbind(group: NSGroup, node: fx.Node, refs: dict[fx.Node, NSRef]) -> None:
-    users = list(node.users)
-    if len(users) != 1 or users[0].target is not aten.unbind.int:
-        return  # the result is used whole: the wrapper reads it as a tensor
-    unbind = users[0]
-    group.absorbed.add(unbind)
-    for item in unbind.users:
-        if item.target is not operator.getitem:
-            continue
-        slot = int(item.args[1])  # type: ignore[arg-type]
-        group.absorbed.add(item)
-        refs[item] = NSRef(group.index, slot, False, feed=False)
-        for user in item.users:
-            if _is_transpose(user):
-                group.absorbed.add(user)
-                refs[user] = NSRef(group.index, slot, True, feed=False)
-
-
-def find_regions(gm: fx.GraphModule, ns_groups: list[NSGroup]) -> list[Region]:
-    """Connected same-shape pointwise regions, plus identity regions for NS feeds."""
+def find_regions(gm: fx.GraphModule, groups: list[OpGroup]) -> list[Region]:
+    """Connected same-shape pointwise regions, plus identity regions for op-group feeds."""
     parent: dict[fx.Node, fx.Node] = {}
 
     def root(n: fx.Node) -> fx.Node:
@@ -173,21 +87,26 @@ def find_regions(gm: fx.GraphModule, ns_groups: list[NSGroup]) -> list[Region]:
         by_root.setdefault(root(n), []).append(n)
     regions = [Region(members) for members in by_root.values()]
     owner = {n: r for r in regions for n in r.nodes}
-    for group in ns_groups:
+    for group in groups:
         for slot, (feed, flip) in enumerate(zip(group.feeds, group.feed_transposed)):
-            assert feed is not None
-            ref = NSRef(group.index, slot, flip, feed=True)
+            ref = GroupRef(group.index, slot, flip, feed=True)
             region = owner.get(feed)
             if region is None or region.feed is not None:
                 region = Region([])  # an identity region: load, round, store, add up the norm
                 regions.append(region)
             region.feed, region.feed_value = ref, feed
+    # A group reads its members from the workspace the feeding regions store
+    # into: the op node and the stack (and transposing views) it absorbed do
+    # not make a value escape (storing it too would be a buffer nobody reads).
+    # An identity region does read its value, from wherever it was stored.
+    consumed = {n for g in groups for n in (g.node, *g.absorbed)}
+    identity_reads = {r.feed_value for r in regions if not r.nodes}
     for region in regions:
-        _collect_boundary(region)
+        _collect_boundary(region, consumed, identity_reads)
     return regions
 
 
-def _collect_boundary(region: Region) -> None:
+def _collect_boundary(region: Region, consumed: set[fx.Node], identity_reads: set[fx.Node | None]) -> None:
     inside = set(region.nodes)
     for node in region.nodes:
         for arg in [*node.args, *node.kwargs.values()]:
@@ -197,7 +116,7 @@ def _collect_boundary(region: Region) -> None:
                         region.scalars.append(arg)
                 elif arg not in region.inputs:
                     region.inputs.append(arg)
-        if any(u not in inside for u in node.users):
+        if node in identity_reads or any(u not in inside and u not in consumed for u in node.users):
             region.outputs.append(node)
     if not region.nodes and region.feed_value is not None:
         region.inputs.append(region.feed_value)

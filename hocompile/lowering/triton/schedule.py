@@ -1,7 +1,9 @@
 """Launch units of the Triton step and their order.
 
-A unit is one horizontally fused pointwise group, one Newton–Schulz group,
-or one leftover aten node. Units are ordered so every unit follows the units
+A unit is a *pointwise group* (one horizontally fused kernel), a
+*registered op group* (one call of a ``hocompile::`` op whose family has a
+Triton emitter, op_groups.py) or an *aten call* (any other node, a
+registered op without a Triton emitter included). Units are ordered so every unit follows the units
 producing its inputs; fusing regions across parameters could in principle
 create a cycle (region A of p0 feeding region B of p1 while B's twin feeds
 A's twin), in which case :func:`schedule` raises :class:`ScheduleError` and
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch.fx as fx
 
+from .op_groups import OpGroup
 from .pointwise import PointwiseSpec
-from .regions import NSGroup, Region
+from .regions import Region
 
 
 class ScheduleError(RuntimeError):
@@ -30,63 +34,64 @@ class PointwiseGroup:
     members: list[Region] = field(default_factory=list)
 
 
+class UnitKind(Enum):
+    POINTWISE = "pointwise group"
+    REGISTERED = "registered op group"
+    ATEN = "aten call"
+
+
 @dataclass
 class Unit:
-    kind: str  # "pointwise" | "ns" | "node"
+    kind: UnitKind
     pointwise: PointwiseGroup | None = None
-    ns: NSGroup | None = None
+    group: OpGroup | None = None
     node: fx.Node | None = None
     deps: set[int] = field(default_factory=set)
 
 
 def build_units(
-    gm: fx.GraphModule, groups: list[PointwiseGroup], ns_groups: list[NSGroup]
+    gm: fx.GraphModule, groups: list[PointwiseGroup], op_groups: list[OpGroup]
 ) -> tuple[list[Unit], dict[fx.Node, int]]:
     """Units, and which unit produces each node's value."""
     units: list[Unit] = []
     producer: dict[fx.Node, int] = {}
     absorbed: set[fx.Node] = set()
     for group in groups:
-        units.append(Unit("pointwise", pointwise=group))
+        units.append(Unit(UnitKind.POINTWISE, pointwise=group))
         for region in group.members:
             for node in region.nodes:
                 producer[node] = len(units) - 1
-    for ns in ns_groups:
-        units.append(Unit("ns", ns=ns))
-        producer[ns.node] = len(units) - 1
-        for node in ns.absorbed:
+    for op_group in op_groups:
+        units.append(Unit(UnitKind.REGISTERED, group=op_group))
+        producer[op_group.node] = len(units) - 1
+        for node in op_group.absorbed:
             absorbed.add(node)
             producer.setdefault(node, len(units) - 1)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node not in producer and node not in absorbed:
-            units.append(Unit("node", node=node))
+            units.append(Unit(UnitKind.ATEN, node=node))
             producer[node] = len(units) - 1
     for index, unit in enumerate(units):
         for node in _reads(unit):
             source = producer.get(node)
             if source is not None and source != index:
                 unit.deps.add(source)
-    # A Newton–Schulz unit waits for the regions storing into its workspace.
+    # An op-group unit waits for the regions storing into its workspace.
+    unit_of_group = {u.group.index: i for i, u in enumerate(units) if u.group is not None}
     for index, unit in enumerate(units):
-        if unit.kind == "pointwise":
-            assert unit.pointwise is not None
+        if unit.pointwise is not None:
             for region in unit.pointwise.members:
                 if region.feed is not None:
-                    ns_unit = next(
-                        i for i, u in enumerate(units) if u.ns is not None and u.ns.index == region.feed.group
-                    )
-                    units[ns_unit].deps.add(index)
+                    units[unit_of_group[region.feed.group]].deps.add(index)
     return units, producer
 
 
 def _reads(unit: Unit) -> list[fx.Node]:
-    if unit.kind == "pointwise":
-        assert unit.pointwise is not None
+    if unit.pointwise is not None:
         return [n for r in unit.pointwise.members for n in r.inputs]
-    if unit.kind == "ns":
-        assert unit.ns is not None
+    if unit.group is not None:
         # Feeds arrive through regions; other inputs (eps) are host scalars.
-        return [n for n in unit.ns.node.all_input_nodes if n.op != "call_function"]
+        return [n for n in unit.group.node.all_input_nodes if n.op != "call_function"]
     assert unit.node is not None
     return unit.node.all_input_nodes
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .code import SHORT, TL_DTYPE, CodeWriter
+from ... import dtypes
+from .code import TL_DTYPE, CodeWriter
 from .code import emit_round as _round
 from .tiles import TileConfig
 
@@ -65,7 +66,7 @@ def requantize(w: CodeWriter, var: str, stored: torch.dtype | None, dtype: torch
     """
     if stored is None or stored == dtype:
         return
-    w.line(f"# stored as {SHORT[stored]}: round to the {SHORT[dtype]} operand the tensor core sees")
+    w.line(f"# stored as {dtypes.name(stored)}: round to the {dtypes.name(dtype)} operand the tensor core sees")
     w.line(f"{var} = {var}.to(tl.float32)")
     _round(w, var, dtype)
     if dtype != torch.float32:

@@ -2,13 +2,18 @@
 
 ``forward(<tensor inputs>, <host scalars>)`` does, in order:
 
-1. allocate the step's buffers (NS workspaces, norm partials, NS results,
-   fused intermediates) — one allocation per group, not per parameter;
-2. build one int64 pointer table (every pointwise launch's operand addresses
-   and scalar indices) and one fp32 scalar table, one host-to-device copy
-   each: scalars are read by the kernels from device memory, so a replayed
-   CUDA graph stays valid when a schedule changes the learning rate;
-3. launch the units in dependency order (schedule.py);
+1. ``buffers()``: allocate the step's buffers (each op group's workspace,
+   norm partials, result and its emitter's temporaries; fused
+   intermediates) — one allocation per group, not per parameter, and none
+   inside ``launch()``;
+2. ``tables()``: one labelled pointer table per fused pointwise launch (a
+   row per member: operand addresses, then scalar indices; ``PW<k>`` is its
+   offset) and the fp32 scalar values, concatenated into one host-to-device
+   copy each: scalars are read by the kernels from device memory, so a
+   replayed CUDA graph stays valid when a schedule changes the learning rate;
+3. ``launch()``: the units in dependency order (schedule.py): pointwise
+   groups, registered op groups (their family's emitter, op_groups.py) and
+   aten calls;
 4. copy the few results that could not be written in place, and return the
    outputs the runtime installs itself (newly created state).
 """
@@ -22,14 +27,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ... import dtypes
 from ...graph import ORIGIN
-from ...ops_schema import NewtonSchulzSpec
 from ..writeback import readers
 from .code import CodeWriter, KernelSource
-from .ns_kernels import emit_newton_schulz
-from .ns_scheduled import emit_newton_schulz_scheduled
+from .op_groups import GroupCode, GroupNames, GroupRef, OpGroup, Workspace, allocations, find_op_groups
 from .pointwise import PointwiseSpec, generate_pointwise, partial_count, region_spec
-from .regions import NSGroup, NSRef, find_ns_groups, find_regions, is_placeholder_slot
+from .regions import find_regions, is_placeholder_slot
 from .schedule import PointwiseGroup, Unit, build_units, schedule
 
 
@@ -74,29 +78,19 @@ def _py(arg: Any, names: _Names) -> str:
     return repr(arg)
 
 
-def ns_schedule(node: fx.Node) -> str:
-    """The op's per-iteration precision schedule key (choose-precision), or ""."""
-    return str(NewtonSchulzSpec.from_node(node).schedule)
-
-
-def ns_input_dtype(node: fx.Node) -> torch.dtype:
-    """The dtype of the NS workspace the pre-kernel writes: the op's compute dtype, or fp32 for a
-    schedule (whose reference normalises the fp32 input; the first iteration's operands round later)."""
-    return torch.float32 if ns_schedule(node) else NewtonSchulzSpec.from_node(node).compute_dtype
-
-
 def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str, upcast: str) -> WrapperPlan:
-    ns_groups, refs = find_ns_groups(gm)
-    regions = find_regions(gm, ns_groups)
+    op_groups, refs = find_op_groups(gm)
+    regions = find_regions(gm, op_groups)
+    workspaces = [g.emitter.workspace(g) for g in op_groups]
     layout = {n: ref.transposed for n, ref in refs.items()}
     groups: dict[PointwiseSpec, PointwiseGroup] = {}
     for region in regions:
-        feed_dtype = ns_input_dtype(ns_groups[region.feed.group].node) if region.feed is not None else None
-        spec = region_spec(region, layout, feed_dtype, arch)  # type: ignore[arg-type]
+        workspace = workspaces[region.feed.group] if region.feed is not None else None
+        spec = region_spec(region, layout, workspace, arch)
         groups.setdefault(spec, PointwiseGroup(spec)).members.append(region)
-    units, producer = build_units(gm, list(groups.values()), ns_groups)
+    units, producer = build_units(gm, list(groups.values()), op_groups)
     order = schedule(units)
-    return _Emitter(gm, copy_into, arch, upcast, ns_groups, refs).emit(units, order, producer)
+    return _Emitter(gm, copy_into, arch, upcast, op_groups, workspaces, refs).emit(units, order, producer)
 
 
 class _Emitter:
@@ -106,30 +100,32 @@ class _Emitter:
         copy_into: list[int | None],
         arch: str,
         upcast: str,
-        ns_groups: list[NSGroup],
-        refs: dict[fx.Node, NSRef],
+        op_groups: list[OpGroup],
+        workspaces: list[Workspace],
+        refs: dict[fx.Node, GroupRef],
     ) -> None:
         self.gm, self.copy_into, self.arch, self.upcast = gm, copy_into, arch, upcast
-        self.ns_groups, self.refs = ns_groups, refs
+        self.op_groups, self.workspaces, self.refs = op_groups, workspaces, refs
         self.names = _Names()
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.scalar_index: dict[Any, int] = {
             n: i for i, n in enumerate(n for n in self.placeholders if not is_placeholder_slot(n))
         }
-        # Constant NS eps values join the scalar table after the host scalars.
-        for group in ns_groups:
-            eps = NewtonSchulzSpec.from_node(group.node).eps
-            if not isinstance(eps, fx.Node) and eps not in self.scalar_index:
-                self.scalar_index[eps] = len(self.scalar_index)
+        # Constant scalars of op groups (NS eps) join the scalar table after the host scalars.
+        for group in op_groups:
+            for value in group.emitter.scalars(group):
+                if not isinstance(value, fx.Node) and value not in self.scalar_index:
+                    self.scalar_index[value] = len(self.scalar_index)
         output = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs: list[Any] = list(output.args[0])
         self.in_place: dict[fx.Node, fx.Node] = {}  # region output -> the input it is written into
         self.kernels: list[KernelSource] = []
-        self.table: list[str] = []  # the pointer table, as expressions
+        self.tables: list[tuple[str, str, list[list[str]]]] = []  # (label, header comment, a row per member)
         self.launches = 0
         self.computed: set[fx.Node] = set()  # values made by aten calls inside launch()
         self.buffers: list[str] = []  # names buffers() returns
         self.copies = 0  # write-backs that could not be done in place
+        self.group_code: dict[int, GroupCode] = {}
 
     # -- what each region output writes into --------------------------------
     def _plan_in_place(self, units: list[Unit], order: list[int], producer: dict[fx.Node, int]) -> None:
@@ -160,6 +156,8 @@ class _Emitter:
         for node in self.placeholders:
             self.names.expr[node] = node.name
         self._plan_in_place(units, order, producer)
+        for group in self.op_groups:  # first: buffers() allocates what the emitters' launches use
+            self.group_code[group.index] = group.emitter.emit(group, self._group_names(group))
         inputs = ", ".join(n.name for n in self.placeholders)
         tensor = next((n for n in self.placeholders if is_placeholder_slot(n)), None)
         device = f"{tensor.name}.device" if tensor is not None else "torch.device('cpu')"
@@ -180,13 +178,7 @@ class _Emitter:
         unpack = f"({''.join(b + ', ' for b in self.buffers)}) = B"
         w.line()
         w.line()
-        w.line(f"def tables(B, {inputs}):")
-        with w.indent():
-            w.line('"""Host lists: per member of each fused launch, operand addresses then scalar indices;')
-            w.line('and the scalar values (host scalars, then constants)."""')
-            w.line(unpack)
-            scalars = ", ".join(n.name if isinstance(n, fx.Node) else repr(float(n)) for n in self.scalar_index)
-            w.line(f"return [{', '.join(self.table)}], [{scalars}]")
+        self._emit_tables(w, inputs, unpack)
         w.line()
         w.line()
         w.line(f"def launch(self, B, ptrs, scal, {inputs}):")
@@ -209,24 +201,67 @@ class _Emitter:
         graph_safe = not self.computed and not self.kept and not self.copies
         return WrapperPlan(w.text(), self.kernels, self.kept, self.launches, summary, graph_safe)
 
+    def _emit_tables(self, w: CodeWriter, inputs: str, unpack: str) -> None:
+        """Each fused launch's labelled table, its offset ``PW<k>`` in the device table, and the scalars."""
+        if self.tables:
+            w.line("# Where each fused launch's table starts in the one device pointer table tables() builds.")
+            offset = 0
+            for label, header, rows in self.tables:
+                w.line(f"{label.upper()} = {offset}  # {header.split(',')[0]}")
+                offset += sum(len(row) for row in rows)
+            w.line()
+            w.line()
+        w.line(f"def tables(B, {inputs}):")
+        with w.indent():
+            w.line('"""Host lists: a pointer table per fused launch (per member: operand addresses, then scalar')
+            w.line('indices), concatenated; and the scalar values (host scalars, then constants)."""')
+            w.line(unpack)
+            for label, header, rows in self.tables:
+                w.line(f"# {header}")
+                w.line(f"{label} = [")
+                with w.indent():
+                    w.lines([f"{', '.join(row)},  # member {i}" for i, row in enumerate(rows)])
+                w.line("]")
+            scalars = ", ".join(n.name if isinstance(n, fx.Node) else repr(float(n)) for n in self.scalar_index)
+            w.line(f"return [{', '.join('*' + label for label, _, _ in self.tables)}], [{scalars}]")
+
+    def _group_names(self, group: OpGroup) -> GroupNames:
+        g = group.index
+        partials = f"part{g}" if self.workspaces[g].norm_partials else None
+        return GroupNames(
+            x=f"ws{g}",
+            partials=partials,
+            n_partials=partial_count(group.m * group.n, self.arch),
+            out=f"out{g}",
+            prefix=f"g{g}_",
+            scalar=lambda value: f"scal[{self.scalar_index[value]}]",
+            upcast=self.upcast,
+            arch=self.arch,
+        )
+
     def _emit_buffers(self, w: CodeWriter, units: list[Unit]) -> None:
-        for group in self.ns_groups:
-            op = NewtonSchulzSpec.from_node(group.node)
-            x = op.x_node.meta["val"]
-            compute, out_dtype = ns_input_dtype(group.node), op.out_dtype
+        for group in self.op_groups:
+            g, workspace, code = group.index, self.workspaces[group.index], self.group_code[group.index]
+            x = group.feeds[0].meta["val"]
             shape = (group.batch, group.m, group.n)
-            parts = partial_count(group.m * group.n, self.arch)
-            g = group.index
-            w.line(f"# Newton-Schulz group {g}: {group.batch} x {group.m}x{group.n}, {x.dtype} in")
-            w.line(f"ws{g} = torch.empty({shape}, dtype={_dtype(compute)}, device=dev)")  # type: ignore[arg-type]
-            self.buffers += [f"ws{g}", f"part{g}", f"nsout{g}"]
-            w.line(f"part{g} = torch.empty(({group.batch}, {parts}), dtype=torch.float32, device=dev)")
-            w.line(f"nsout{g} = torch.empty({shape}, dtype={_dtype(out_dtype)}, device=dev)")  # type: ignore[arg-type]
-            self.names.expr[group.node] = (
-                f"nsout{g}" if x.dim() == 3 else self._ns_view(NSRef(g, 0, bool(op.transpose), False))
-            )
+            w.line(f"# {group.family.name} group {g}: {group.batch} x {group.m}x{group.n}, {dtypes.name(x.dtype)} in")
+            w.line(f"ws{g} = torch.empty({shape}, dtype={_dtype(workspace.dtype)}, device=dev)")
+            self.buffers.append(f"ws{g}")
+            if workspace.norm_partials:
+                parts = partial_count(group.m * group.n, self.arch)
+                w.line(f"part{g} = torch.empty(({group.batch}, {parts}), dtype=torch.float32, device=dev)")
+                self.buffers.append(f"part{g}")
+            w.line(f"out{g} = torch.empty({shape}, dtype={_dtype(group.out_dtype)}, device=dev)")
+            self.buffers.append(f"out{g}")
+            if code.buffers:
+                w.line(f"# its kernels' temporaries ({group.family.name} emitter)")
+                w.lines(allocations(code.buffers, "dev"))
+                self.buffers += [b.name for b in code.buffers]
+            whole = group.node.meta["val"].dim() == 3
+            single = GroupRef(g, 0, group.feed_transposed[0], feed=False)
+            self.names.expr[group.node] = f"out{g}" if whole else self._group_view(single)
         for node, ref in self.refs.items():
-            self.names.expr[node] = self._ns_view(ref)
+            self.names.expr[node] = self._group_view(ref)
         kept_values = {v for v, d in zip(self.outputs, self.copy_into) if d is None}
         for u, unit in enumerate(units):
             if unit.pointwise is None:
@@ -254,25 +289,26 @@ class _Emitter:
                     else:
                         self.names.expr[node] = f"{stacked}[{i}]"
 
-    def _ns_view(self, ref: NSRef) -> str:
-        view = f"nsout{ref.group}[{ref.slot}]"
+    def _group_view(self, ref: GroupRef) -> str:
+        view = f"out{ref.group}[{ref.slot}]"
         return f"{view}.mT" if ref.transposed else view
 
     def _ptr(self, node: fx.Node) -> str:
         if node in self.refs:
             ref = self.refs[node]
-            group = self.ns_groups[ref.group]
-            itemsize = group.node.meta["val"].dtype.itemsize
-            return f"nsout{ref.group}.data_ptr() + {ref.slot * group.m * group.n * itemsize}"
+            group = self.op_groups[ref.group]
+            return f"out{ref.group}.data_ptr() + {ref.slot * group.m * group.n * group.out_dtype.itemsize}"
         return f"{self.names.of(node)}.data_ptr()"
 
     def _emit_unit(self, w: CodeWriter, unit: Unit) -> str:
-        if unit.kind == "pointwise":
-            assert unit.pointwise is not None
+        if unit.pointwise is not None:
             return self._emit_pointwise(w, unit.pointwise)
-        if unit.kind == "ns":
-            assert unit.ns is not None
-            return self._emit_ns(w, unit.ns)
+        if unit.group is not None:
+            code = self.group_code[unit.group.index]
+            w.lines(code.lines)
+            self.launches += code.launches  # the emitter's own count, not a count of its text
+            self.kernels += code.kernels
+            return code.summary
         assert unit.node is not None
         return self._emit_node(w, unit.node)
 
@@ -285,75 +321,34 @@ class _Emitter:
         origin = f"{'/'.join(passes)} nodes {nodes}" + (f" and {twins} isomorphic twin(s)" if twins else "")
         kernel = generate_pointwise(spec, origin)
         self.kernels.append(kernel)
-        rows: list[str] = []
+        rows: list[list[str]] = []
         for region in group.members:
-            rows += [self._ptr(n) for n in region.inputs]
-            rows += [self._ptr(n) for n in region.outputs]
+            row = [self._ptr(n) for n in region.inputs] + [self._ptr(n) for n in region.outputs]
             if region.feed is not None:
                 ref = region.feed
-                ns = self.ns_groups[ref.group]
-                compute = ns_input_dtype(ns.node)
-                size = ns.m * ns.n * compute.itemsize  # type: ignore[union-attr]
-                parts = partial_count(ns.m * ns.n, self.arch)
-                rows.append(f"ws{ref.group}.data_ptr() + {ref.slot * size}")
-                rows.append(f"part{ref.group}.data_ptr() + {ref.slot * parts * 4}")
-            rows += [str(self.scalar_index[s]) for s in region.scalars]
+                op_group, workspace = self.op_groups[ref.group], self.workspaces[ref.group]
+                size = op_group.m * op_group.n * workspace.dtype.itemsize
+                row.append(f"ws{ref.group}.data_ptr() + {ref.slot * size}")
+                if workspace.norm_partials:
+                    parts = partial_count(op_group.m * op_group.n, self.arch)
+                    row.append(f"part{ref.group}.data_ptr() + {ref.slot * parts * 4}")
+            row += [str(self.scalar_index[s]) for s in region.scalars]
+            rows.append(row)
         members = len(group.members)
         if any(n in self.computed for r in group.members for n in r.inputs):
             # An operand made by an aten call earlier in the step (lazily
             # created state): its address exists only now, so this launch
             # gets its own small table.
-            w.line(f"rows = torch.tensor([{', '.join(rows)}], dtype=torch.int64, device=dev)")
+            flat = ", ".join(v for row in rows for v in row)
+            w.line(f"rows = torch.tensor([{flat}], dtype=torch.int64, device=dev)")
             w.line(f"{kernel.launcher}(rows, 0, scal, {members})")
         else:
-            w.line(f"{kernel.launcher}(ptrs, {len(self.table)}, scal, {members})")
-            self.table += rows
+            label = f"pw{len(self.tables)}"
+            header = f"{label}: {kernel.name}, {members} member(s) x [{', '.join(spec.columns)}]"
+            self.tables.append((label, header, rows))
+            w.line(f"{kernel.launcher}(ptrs, {label.upper()}, scal, {members})")
         self.launches += 1
         return f"{kernel.name}: {len(group.members)} member(s), 1 launch"
-
-    def _emit_ns(self, w: CodeWriter, group: NSGroup) -> str:
-        node = group.node
-        spec = NewtonSchulzSpec.from_node(node)
-        # (spec.blocks is an aten option: the kernels compute symmetric products on lower tiles anyway)
-        eps, compute, algorithm = spec.eps, spec.compute_dtype, spec.algorithm
-        eps_expr = f"scal[{self.scalar_index[eps]}]"  # a 0-d view: read on the device, never baked in
-        g = group.index
-        ns_lines = CodeWriter()
-        common: dict[str, Any] = dict(
-            x=f"ws{g}",
-            partials=f"part{g}",
-            P=str(partial_count(group.m * group.n, self.arch)),
-            eps=eps_expr,
-            out=f"nsout{g}",
-            batch=group.batch,
-            m=group.m,
-            n=group.n,
-            coefficients=spec.coefficients,
-            out_dtype=spec.out_dtype,
-            eps_mode=spec.eps_mode,
-            arch=self.arch,
-            upcast=self.upcast,
-            prefix=f"ns{g}_",
-            algorithm=algorithm,
-        )
-        schedule = ns_schedule(node)
-        if schedule:
-            from ...precision.calibrate import parse_schedule_key
-
-            origin = f"fuse-newton-schulz/choose-precision node {node.name}"
-            kernels = emit_newton_schulz_scheduled(
-                ns_lines, schedule=parse_schedule_key(schedule), origin=origin, **common
-            )
-        else:
-            origin = f"fuse-newton-schulz node {node.name}"
-            kernels = emit_newton_schulz(ns_lines, dtype=compute, restarts=list(spec.restarts), origin=origin, **common)
-        w.extend(ns_lines)
-        # A scheduled NS whose last iteration is FP8 ends with one copy_ (the reference's bf16 rounding).
-        launched = ns_lines.count("launch_") + ns_lines.count(".copy_(")
-        self.launches += launched
-        self.kernels += kernels
-        plan = f"{algorithm} schedule {schedule}" if schedule else algorithm
-        return f"newton-schulz group {g}: {group.batch} x {group.m}x{group.n} {plan}, {launched} launches"
 
     def _emit_node(self, w: CodeWriter, node: fx.Node) -> str:
         name = node.name
