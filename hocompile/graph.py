@@ -9,7 +9,10 @@ Every node hocompile touches carries a few ``node.meta`` keys:
 
 :func:`print_graph` renders a graph for humans and expect tests: one line per
 node, names normalised by role and order, dtype and shape, and the pass that
-made the node; no ids, addresses or devices.
+made the node; no ids, addresses or devices. Dtypes are spelled as
+:mod:`hocompile.dtypes` names them (``fp32[6, 4]``); a registered
+``hocompile::`` op's arguments as its family's ``describe`` renders them
+(:mod:`hocompile.registry`), so the printer knows no op by name.
 """
 
 from __future__ import annotations
@@ -21,21 +24,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .ops_schema import NewtonSchulzSpec, newton_schulz_op
+# ops_schema: imported for its side effect, registering the built-in op families before any graph prints.
+from . import dtypes, ops_schema  # noqa: F401
+from .decisions import DECISION, decisions_of, render_choices
+from .registry import OpFamily, families, family_of
 
 ORIGIN = "hocompile.origin"
 ROLE = "hocompile.role"
-DECISION = "hocompile.decision"
+# DECISION (node.meta key of recorded Decisions) is declared in hocompile.decisions, re-exported here.
 
-_DTYPE_SHORT = {
-    torch.float64: "f64",
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "b8",
-}
+# How a host scalar placeholder prints: a Python float is an fp64 on the host.
+HOST_SCALAR = f"{dtypes.name(torch.float64)} (host)"
 
 
 @dataclass(frozen=True)
@@ -121,10 +120,9 @@ def _is_inplace(target: Any) -> bool:
 
 def describe_value(val: Any) -> str:
     if isinstance(val, torch.Tensor):
-        dtype = _DTYPE_SHORT.get(val.dtype, str(val.dtype).replace("torch.", ""))
-        return f"{dtype}[{', '.join(str(int(s)) for s in val.shape)}]"
+        return f"{dtypes.name(val.dtype)}[{', '.join(str(int(s)) for s in val.shape)}]"
     if isinstance(val, float):
-        return "f64 (host)"
+        return HOST_SCALAR
     if isinstance(val, (tuple, list)):
         return "(" + ", ".join(describe_value(v) for v in val) + ")"
     return type(val).__name__
@@ -150,7 +148,7 @@ def _format_arg(arg: Any, names: dict[fx.Node, str]) -> str:
     if isinstance(arg, float):
         return repr(arg)
     if isinstance(arg, torch.dtype):
-        return _DTYPE_SHORT.get(arg, str(arg))
+        return dtypes.name(arg)
     if isinstance(arg, torch.memory_format):
         return str(arg).replace("torch.", "")
     if isinstance(arg, torch.device):
@@ -158,35 +156,13 @@ def _format_arg(arg: Any, names: dict[fx.Node, str]) -> str:
     return repr(arg)
 
 
-def _format_newton_schulz(node: fx.Node, names: dict[fx.Node, str]) -> list[str]:
-    """(a, b, c) per iteration grouped into runs: ``(3.4445, -4.775, 2.0315)x5``."""
-    spec = NewtonSchulzSpec.from_node(node)
-    blocks, schedule, restarts = int(spec.blocks), str(spec.schedule), spec.restarts
-    runs: list[list[Any]] = []
-    for triple in spec.coefficients:
-        if runs and runs[-1][0] == triple:
-            runs[-1][1] += 1
-        else:
-            runs.append([triple, 1])
-    coeffs = " + ".join(
-        f"({', '.join(repr(float(v)) for v in t)})" + (f"x{n}" if n > 1 else "") for t, n in runs
-    )
-    where = f"{spec.algorithm}" + (f" restart {list(restarts)}" if restarts else "")
-    where += f" sym{blocks}x{blocks}" if blocks > 1 else ""
-    where += f" schedule {schedule}" if schedule else ""
-    return [
-        _format_arg(spec.x, names),
-        f"[{coeffs}]",
-        f"eps={_format_arg(spec.eps, names)} {spec.eps_mode}",
-        "transpose" if spec.transpose else "wide",
-        f"{_format_arg(spec.compute_dtype, names)}->{_format_arg(spec.out_dtype, names)}",
-        where,
-        spec.matmul,
-    ]
+def print_graph(gm: fx.GraphModule, title: str = "step", predictions: bool = True) -> str:
+    """Render ``gm`` as stable, readable text (the expect-test format).
 
-
-def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
-    """Render ``gm`` as stable, readable text (the expect-test format)."""
+    ``predictions=False`` shows each recorded decision as its choices only
+    (:meth:`~hocompile.decisions.Decision.choices_key`): the cache key's text,
+    so a recalibration that predicts other timings for the same plan keeps it.
+    """
     names: dict[fx.Node, str] = {}
     lines: list[str] = []
     counter = 0
@@ -202,7 +178,7 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
                 names[node] = f"h{scalars}"
                 scalars += 1
                 expr = getattr(role, "pretty", lambda: "?")()
-                inputs.append(f"  {names[node]}: f64 (host) = {expr}")
+                inputs.append(f"  {names[node]}: {HOST_SCALAR} = {expr}")
             continue
         if node.op == "output":
             outs = node.args[0]
@@ -216,8 +192,9 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
             shown = repr(value.item()) if value.numel() == 1 else "..."
             lines.append(f"  {names[node]}: {describe_value(value)} = constant({shown})  # capture")
             continue
-        if _target_name(node.target) == "hocompile.newton_schulz":
-            args = _format_newton_schulz(node, names)
+        family = family_of(node)
+        if family is not None:  # a registered op prints its arguments by name, as its family describes them
+            args = family.describe(family.spec_of(node), lambda value: _format_arg(value, names))
         else:
             args = [_format_arg(a, names) for a in node.args]
             args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
@@ -225,28 +202,40 @@ def print_graph(gm: fx.GraphModule, title: str = "step") -> str:
         call = f"{_target_name(node.target)}({', '.join(args)})"
         notes = [node.meta.get(ORIGIN, "?")]
         if DECISION in node.meta:
-            notes.append(str(node.meta[DECISION]))
+            notes.append(render_choices(node, predictions))
         lines.append(f"{head}{call}  # {'; '.join(notes)}")
     return "\n".join([f"graph {title}(", *inputs, "):", *lines]) + "\n"
 
 
 def decisions(gm: fx.GraphModule) -> list[str]:
-    """Recorded decisions, one line per distinct (op, input, decision), with a count."""
+    """Recorded decisions, one line per distinct (op, input, decisions), with a count:
+    ``hocompile.newton_schulz fp32[768, 3072]: choose-algorithm: gram fp32, ...``."""
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if DECISION in node.meta:
-            first = NewtonSchulzSpec.from_node(node).x if node.target is newton_schulz_op() else None
-            if first is None and node.args:
-                first = node.args[0]
-            src = first.meta.get("val") if isinstance(first, fx.Node) else None
-            line = f"{_target_name(node.target)} {describe_value(src)}: {node.meta[DECISION]}"
-            counts[line] = counts.get(line, 0) + 1
+        if not decisions_of(node):
+            continue
+        family = family_of(node)
+        tensors = list(family.spec_of(node).tensors().values()) if family is not None else list(node.args)
+        first = tensors[0] if tensors else None
+        src = first.meta.get("val") if isinstance(first, fx.Node) else None
+        line = f"{_target_name(node.target)} {describe_value(src)}: {render_choices(node)}"
+        counts[line] = counts.get(line, 0) + 1
     return [line if n == 1 else f"{n} x {line}" for line, n in counts.items()]
 
 
+def stat_key(family: OpFamily) -> str:
+    """``graph_stats`` key of a family's call count: ``"newton-schulz"`` for ``newton_schulz``."""
+    return family.name.replace("_", "-")
+
+
 def graph_stats(gm: fx.GraphModule) -> dict[str, int]:
-    """Counts shown by explain(): inputs by kind and body ops."""
-    stats = {"tensor inputs": 0, "host scalars": 0, "ops": 0, "matmuls": 0, "newton-schulz": 0}
+    """Counts shown by explain(): inputs by kind, body ops, and calls per registered op family.
+
+    Every registered family has its key (zero when absent: explain() reads
+    ``"newton-schulz"`` unconditionally); ``"hocompile ops"`` totals them.
+    """
+    stats = {"tensor inputs": 0, "host scalars": 0, "ops": 0, "matmuls": 0, "hocompile ops": 0}
+    stats |= {stat_key(family): 0 for family in families()}
     matmuls = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -257,8 +246,10 @@ def graph_stats(gm: fx.GraphModule) -> dict[str, int]:
             name = _target_name(node.target)
             if name.startswith("aten.") and name.split(".")[1] in matmuls:
                 stats["matmuls"] += 1
-            if name == "hocompile.newton_schulz":
-                stats["newton-schulz"] += 1
+            family = family_of(node)
+            if family is not None:
+                stats[stat_key(family)] = stats.get(stat_key(family), 0) + 1
+                stats["hocompile ops"] += 1
     return stats
 
 

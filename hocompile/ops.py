@@ -1,8 +1,14 @@
-"""Home of hocompile's custom ops (the ``hocompile::`` torch.library namespace).
+"""Home of hocompile's built-in custom ops (the ``hocompile::`` torch.library namespace).
 
-Passes rewrite recognised subgraphs into these ops. Each op registered here
-comes with a fake (meta) implementation so graphs stay traceable, an exact
-reference implementation that runs in fp64 for tests, and lowerings.
+Passes rewrite recognised subgraphs into these ops (fuse-newton-schulz makes
+``hocompile::newton_schulz``). This module only defines each op: its CPU
+kernel and its fake (meta) implementation, so graphs stay traceable. All
+else hocompile knows about an op (named arguments, printed line, cost,
+batching, fp64 reference, backend lowerings) is its
+:class:`~hocompile.registry.OpFamily`, registered in
+:mod:`hocompile.ops_schema`; registering checks this schema against the
+family's spec (:func:`hocompile.registry.check_schema`), so the two cannot
+drift apart. A new family needs no edit here (see tests/toy_family.py).
 
 Conventions:
 
@@ -10,24 +16,17 @@ Conventions:
 - structural choices (coefficients, steps, flags) are op arguments, so they
   show in printed graphs and enter the cache key through the graph text;
 - hyperparameters never are: they stay host scalars.
-
-The Newton–Schulz op arrives with the fuse-newton-schulz pass.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import newton_schulz as ns
+from .precision.calibrate import parse_schedule_key
+from .precision.schedule_ns import newton_schulz_scheduled
+
 NAMESPACE = "hocompile"
-
-# One fragment for the namespace; ops are defined on it as passes need them.
-LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-
-
-def defined_ops() -> list[str]:
-    """Names of the ops currently registered under ``hocompile::``."""
-    ns = getattr(torch.ops, NAMESPACE)
-    return sorted(name for name in dir(ns) if not name.startswith("_") and name not in {"name"})
 
 
 # --------------------------------------------------------------- newton_schulz
@@ -59,15 +58,10 @@ def newton_schulz(
     (operand formats per iteration in runs, e.g. ``"fp8_e4m3*2+bf16*3"``)
     replaces ``compute_dtype`` with a per-iteration plan.
     """
-    from . import newton_schulz as ns
-
     coefficients = list(zip(a, b, c))
     if schedule:
         # A per-iteration precision schedule (choose-precision): each GEMM
         # emulated exactly as the planned tensor-core format computes it.
-        from .precision.calibrate import parse_schedule_key
-        from .precision.schedule_ns import newton_schulz_scheduled
-
         return newton_schulz_scheduled(
             x, coefficients, eps, parse_schedule_key(schedule), eps_mode=eps_mode, transpose=transpose,
             algorithm=algorithm, restarts=tuple(restarts), out_dtype=out_dtype,
@@ -98,6 +92,8 @@ def _newton_schulz_fake(
     blocks: int = 0,
     schedule: str = "",
 ) -> torch.Tensor:
+    """Output shape and dtype only. Its parameters repeat the op's schema, which
+    NewtonSchulzSpec is checked against when hocompile.ops_schema registers the family."""
     if not (len(a) == len(b) == len(c)) or not a:
         raise ValueError("newton_schulz needs one (a, b, c) per iteration")
     if x.dim() not in (2, 3):

@@ -27,6 +27,7 @@ import torch.fx as fx
 from . import newton_schulz as ns
 from . import ops  # noqa: F401  (registers hocompile::newton_schulz)
 from .registry import BatchRule, Cost, Input, OpFamily, OpSpec, Scalar, register, schema_mismatches
+from .registry import check_schema as check_spec_schema
 
 
 def newton_schulz_op() -> Any:
@@ -73,15 +74,9 @@ class NewtonSchulzSpec(OpSpec):
         return (int(x.shape[0]) if x.dim() == 3 else 1), m, n
 
 
-def field_names() -> tuple[str, ...]:
-    return NewtonSchulzSpec.field_names()
-
-
 def check_schema() -> None:
     """Fail fast if ``hocompile::newton_schulz``'s schema and the spec have drifted apart."""
-    problems = schema_mismatches(NewtonSchulzSpec)
-    if problems:
-        raise RuntimeError("hocompile::newton_schulz schema and NewtonSchulzSpec differ: " + "; ".join(problems))
+    check_spec_schema(NewtonSchulzSpec)
 
 
 # ------------------------------------------------------------------ the family

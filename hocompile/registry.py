@@ -319,4 +319,5 @@ __all__ = [
     "register_lowering",
     "registered_calls",
     "schema_mismatches",
+    "unregister",
 ]

@@ -41,21 +41,21 @@ class TestPrintedGraphs(TestCase):
         opt, params = _muon()
         self.assertExpectedInline(_graph(opt, params, (Canonicalize(),)), """\
 graph step(
-  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
-  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
-  s0_0_momentum_buffer: f32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
-  p0_1: f32[4, 4]  # param_groups[0]['params'][1]
-  g0_1: f32[4, 4]  # param_groups[0]['params'][1].grad
-  s0_1_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  h0: f64 (host) = 1 - g0.momentum
-  h1: f64 (host) = g0.momentum
-  h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
-  h4: f64 (host) = -(g0.lr * 1.224744871391589)
-  h5: f64 (host) = -(g0.lr * 1.0)
+  p0_0: fp32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: fp32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[4, 4]  # param_groups[0]['params'][1]
+  g0_1: fp32[4, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = 1 - g0.momentum
+  h1: fp64 (host) = g0.momentum
+  h2: fp64 (host) = g0.eps
+  h3: fp64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h4: fp64 (host) = -(g0.lr * 1.224744871391589)
+  h5: fp64 (host) = -(g0.lr * 1.0)
 ):
-  t0: f32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
-  t1: f32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t0: fp32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: fp32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
   t2: bf16[6, 4] = aten._to_copy(t1, dtype=bf16)  # capture
   t3: bf16[4, 6] = aten.permute(t2, [1, 0])  # capture
   t4: bf16[] = aten.linalg_vector_norm(t3)  # capture
@@ -70,10 +70,10 @@ graph step(
   t13: bf16[4, 4] = aten.addmm(t12, t12, t12, beta=-4.775, alpha=2.0315)  # capture
   t14: bf16[4, 6] = aten.addmm(t10, t13, t10, beta=3.4445)  # capture
   t15: bf16[6, 4] = aten.permute(t14, [1, 0])  # capture
-  t16: f32[6, 4] = aten.mul.Tensor(p0_0, h3)  # capture
-  t17: f32[6, 4] = aten.add.Tensor(t16, t15, alpha=h4)  # capture
-  t18: f32[4, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
-  t19: f32[4, 4] = aten.lerp.Scalar(g0_1, t18, h1)  # capture
+  t16: fp32[6, 4] = aten.mul.Tensor(p0_0, h3)  # capture
+  t17: fp32[6, 4] = aten.add.Tensor(t16, t15, alpha=h4)  # capture
+  t18: fp32[4, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
+  t19: fp32[4, 4] = aten.lerp.Scalar(g0_1, t18, h1)  # capture
   t20: bf16[4, 4] = aten._to_copy(t19, dtype=bf16)  # capture
   t21: bf16[] = aten.linalg_vector_norm(t20)  # capture
   t22: bf16[] = aten.clamp(t21, h2)  # capture
@@ -86,8 +86,8 @@ graph step(
   t29: bf16[4, 4] = aten.mm(t27, t28)  # capture
   t30: bf16[4, 4] = aten.addmm(t29, t29, t29, beta=-4.775, alpha=2.0315)  # capture
   t31: bf16[4, 4] = aten.addmm(t27, t30, t27, beta=3.4445)  # capture
-  t32: f32[4, 4] = aten.mul.Tensor(p0_1, h3)  # capture
-  t33: f32[4, 4] = aten.add.Tensor(t32, t31, alpha=h5)  # capture
+  t32: fp32[4, 4] = aten.mul.Tensor(p0_1, h3)  # capture
+  t33: fp32[4, 4] = aten.add.Tensor(t32, t31, alpha=h5)  # capture
   return (t17, t0, t33, t18)
 """)
 
@@ -95,29 +95,29 @@ graph step(
         opt, params = _muon()
         self.assertExpectedInline(_graph(opt, params, (Canonicalize(), FuseNewtonSchulz())), """\
 graph step(
-  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
-  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
-  s0_0_momentum_buffer: f32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
-  p0_1: f32[4, 4]  # param_groups[0]['params'][1]
-  g0_1: f32[4, 4]  # param_groups[0]['params'][1].grad
-  s0_1_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  h0: f64 (host) = 1 - g0.momentum
-  h1: f64 (host) = g0.momentum
-  h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
-  h4: f64 (host) = -(g0.lr * 1.224744871391589)
-  h5: f64 (host) = -(g0.lr * 1.0)
+  p0_0: fp32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: fp32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[4, 4]  # param_groups[0]['params'][1]
+  g0_1: fp32[4, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[4, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = 1 - g0.momentum
+  h1: fp64 (host) = g0.momentum
+  h2: fp64 (host) = g0.eps
+  h3: fp64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h4: fp64 (host) = -(g0.lr * 1.224744871391589)
+  h5: fp64 (host) = -(g0.lr * 1.0)
 ):
-  t0: f32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
-  t1: f32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t0: fp32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: fp32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
   t2: bf16[6, 4] = hocompile.newton_schulz(t1, [(3.4445, -4.775, 2.0315)x2], eps=h2 clamp, transpose, bf16->bf16, standard, native)  # fuse-newton-schulz
-  t3: f32[6, 4] = aten.mul.Tensor(p0_0, h3)  # capture
-  t4: f32[6, 4] = aten.add.Tensor(t3, t2, alpha=h4)  # capture
-  t5: f32[4, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
-  t6: f32[4, 4] = aten.lerp.Scalar(g0_1, t5, h1)  # capture
+  t3: fp32[6, 4] = aten.mul.Tensor(p0_0, h3)  # capture
+  t4: fp32[6, 4] = aten.add.Tensor(t3, t2, alpha=h4)  # capture
+  t5: fp32[4, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
+  t6: fp32[4, 4] = aten.lerp.Scalar(g0_1, t5, h1)  # capture
   t7: bf16[4, 4] = hocompile.newton_schulz(t6, [(3.4445, -4.775, 2.0315)x2], eps=h2 clamp, wide, bf16->bf16, standard, native)  # fuse-newton-schulz
-  t8: f32[4, 4] = aten.mul.Tensor(p0_1, h3)  # capture
-  t9: f32[4, 4] = aten.add.Tensor(t8, t7, alpha=h5)  # capture
+  t8: fp32[4, 4] = aten.mul.Tensor(p0_1, h3)  # capture
+  t9: fp32[4, 4] = aten.add.Tensor(t8, t7, alpha=h5)  # capture
   return (t4, t0, t9, t5)
 """)
 
@@ -127,28 +127,28 @@ graph step(
         passes = (Canonicalize(), FuseNewtonSchulz(), ChooseAlgorithm(target=AVX2_LIKE))
         self.assertExpectedInline(_graph(opt, params, passes), """\
 graph step(
-  p0_0: f32[8, 32]  # param_groups[0]['params'][0]
-  g0_0: f32[8, 32]  # param_groups[0]['params'][0].grad
-  s0_0_momentum_buffer: f32[8, 32]  # state[param_groups[0]['params'][0]]['momentum_buffer']
-  p0_1: f32[8, 8]  # param_groups[0]['params'][1]
-  g0_1: f32[8, 8]  # param_groups[0]['params'][1].grad
-  s0_1_momentum_buffer: f32[8, 8]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  h0: f64 (host) = 1 - g0.momentum
-  h1: f64 (host) = g0.momentum
-  h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
-  h4: f64 (host) = -(g0.lr * 1.0)
+  p0_0: fp32[8, 32]  # param_groups[0]['params'][0]
+  g0_0: fp32[8, 32]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[8, 32]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[8, 8]  # param_groups[0]['params'][1]
+  g0_1: fp32[8, 8]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[8, 8]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = 1 - g0.momentum
+  h1: fp64 (host) = g0.momentum
+  h2: fp64 (host) = g0.eps
+  h3: fp64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h4: fp64 (host) = -(g0.lr * 1.0)
 ):
-  t0: f32[8, 32] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
-  t1: f32[8, 32] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
-  t2: bf16[8, 32] = hocompile.newton_schulz(t1, [(3.4445, -4.775, 2.0315)x5], eps=h2 clamp, wide, f32->bf16, gram, native)  # fuse-newton-schulz; choose-algorithm: gram fp32: 0.256 us predicted, standard 0.461 us
-  t3: f32[8, 32] = aten.mul.Tensor(p0_0, h3)  # capture
-  t4: f32[8, 32] = aten.add.Tensor(t3, t2, alpha=h4)  # capture
-  t5: f32[8, 8] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
-  t6: f32[8, 8] = aten.lerp.Scalar(g0_1, t5, h1)  # capture
-  t7: bf16[8, 8] = hocompile.newton_schulz(t6, [(3.4445, -4.775, 2.0315)x5], eps=h2 clamp, wide, f32->bf16, standard, native)  # fuse-newton-schulz; choose-algorithm: standard fp32: 0.154 us predicted, gram 0.195 us
-  t8: f32[8, 8] = aten.mul.Tensor(p0_1, h3)  # capture
-  t9: f32[8, 8] = aten.add.Tensor(t8, t7, alpha=h4)  # capture
+  t0: fp32[8, 32] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: fp32[8, 32] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t2: bf16[8, 32] = hocompile.newton_schulz(t1, [(3.4445, -4.775, 2.0315)x5], eps=h2 clamp, wide, fp32->bf16, gram, native)  # fuse-newton-schulz; choose-algorithm: gram fp32, 256 ns predicted (vs standard 461 ns), no fast bf16 GEMM here
+  t3: fp32[8, 32] = aten.mul.Tensor(p0_0, h3)  # capture
+  t4: fp32[8, 32] = aten.add.Tensor(t3, t2, alpha=h4)  # capture
+  t5: fp32[8, 8] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
+  t6: fp32[8, 8] = aten.lerp.Scalar(g0_1, t5, h1)  # capture
+  t7: bf16[8, 8] = hocompile.newton_schulz(t6, [(3.4445, -4.775, 2.0315)x5], eps=h2 clamp, wide, fp32->bf16, standard, native)  # fuse-newton-schulz; choose-algorithm: standard fp32, 154 ns predicted (vs gram 195 ns), no fast bf16 GEMM here
+  t8: fp32[8, 8] = aten.mul.Tensor(p0_1, h3)  # capture
+  t9: fp32[8, 8] = aten.add.Tensor(t8, t7, alpha=h4)  # capture
   return (t4, t0, t9, t5)
 """)
 
@@ -159,42 +159,42 @@ graph step(
         passes = (Canonicalize(), FuseNewtonSchulz(), BatchByShape(target=BATCHING))
         self.assertExpectedInline(_graph(opt, params, passes), """\
 graph step(
-  p0_0: f32[8, 4]  # param_groups[0]['params'][0]
-  g0_0: f32[8, 4]  # param_groups[0]['params'][0].grad
-  s0_0_momentum_buffer: f32[8, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
-  p0_1: f32[4, 8]  # param_groups[0]['params'][1]
-  g0_1: f32[4, 8]  # param_groups[0]['params'][1].grad
-  s0_1_momentum_buffer: f32[4, 8]  # state[param_groups[0]['params'][1]]['momentum_buffer']
-  p0_2: f32[4, 4]  # param_groups[0]['params'][2]
-  g0_2: f32[4, 4]  # param_groups[0]['params'][2].grad
-  s0_2_momentum_buffer: f32[4, 4]  # state[param_groups[0]['params'][2]]['momentum_buffer']
-  h0: f64 (host) = 1 - g0.momentum
-  h1: f64 (host) = g0.momentum
-  h2: f64 (host) = g0.eps
-  h3: f64 (host) = 1 - (g0.lr * g0.weight_decay)
-  h4: f64 (host) = -(g0.lr * 1.4142135623730951)
-  h5: f64 (host) = -(g0.lr * 1.0)
+  p0_0: fp32[8, 4]  # param_groups[0]['params'][0]
+  g0_0: fp32[8, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[8, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[4, 8]  # param_groups[0]['params'][1]
+  g0_1: fp32[4, 8]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[4, 8]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  p0_2: fp32[4, 4]  # param_groups[0]['params'][2]
+  g0_2: fp32[4, 4]  # param_groups[0]['params'][2].grad
+  s0_2_momentum_buffer: fp32[4, 4]  # state[param_groups[0]['params'][2]]['momentum_buffer']
+  h0: fp64 (host) = 1 - g0.momentum
+  h1: fp64 (host) = g0.momentum
+  h2: fp64 (host) = g0.eps
+  h3: fp64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h4: fp64 (host) = -(g0.lr * 1.4142135623730951)
+  h5: fp64 (host) = -(g0.lr * 1.0)
 ):
-  t0: f32[8, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
-  t1: f32[8, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
-  t2: f32[8, 4] = aten.mul.Tensor(p0_0, h3)  # capture
-  t3: f32[4, 8] = aten.permute(t1, [1, 0])  # batch-by-shape
-  t4: f32[4, 8] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
-  t5: f32[4, 8] = aten.lerp.Scalar(g0_1, t4, h1)  # capture
-  t6: f32[2, 4, 8] = aten.stack([t3, t5])  # batch-by-shape
+  t0: fp32[8, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: fp32[8, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t2: fp32[8, 4] = aten.mul.Tensor(p0_0, h3)  # capture
+  t3: fp32[4, 8] = aten.permute(t1, [1, 0])  # batch-by-shape
+  t4: fp32[4, 8] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h0)  # capture
+  t5: fp32[4, 8] = aten.lerp.Scalar(g0_1, t4, h1)  # capture
+  t6: fp32[2, 4, 8] = aten.stack([t3, t5])  # batch-by-shape
   t7: bf16[2, 4, 8] = hocompile.newton_schulz(t6, [(3.4445, -4.775, 2.0315)x2], eps=h2 clamp, wide, bf16->bf16, standard, native)  # batch-by-shape
   t8: (bf16[4, 8], bf16[4, 8]) = aten.unbind.int(t7)  # batch-by-shape
   t9: bf16[4, 8] = getitem(t8, 0)  # batch-by-shape
   t10: bf16[8, 4] = aten.permute(t9, [1, 0])  # batch-by-shape
-  t11: f32[8, 4] = aten.add.Tensor(t2, t10, alpha=h4)  # capture
-  t12: f32[4, 8] = aten.mul.Tensor(p0_1, h3)  # capture
+  t11: fp32[8, 4] = aten.add.Tensor(t2, t10, alpha=h4)  # capture
+  t12: fp32[4, 8] = aten.mul.Tensor(p0_1, h3)  # capture
   t13: bf16[4, 8] = getitem(t8, 1)  # batch-by-shape
-  t14: f32[4, 8] = aten.add.Tensor(t12, t13, alpha=h5)  # capture
-  t15: f32[4, 4] = aten.lerp.Scalar(s0_2_momentum_buffer, g0_2, h0)  # capture
-  t16: f32[4, 4] = aten.lerp.Scalar(g0_2, t15, h1)  # capture
+  t14: fp32[4, 8] = aten.add.Tensor(t12, t13, alpha=h5)  # capture
+  t15: fp32[4, 4] = aten.lerp.Scalar(s0_2_momentum_buffer, g0_2, h0)  # capture
+  t16: fp32[4, 4] = aten.lerp.Scalar(g0_2, t15, h1)  # capture
   t17: bf16[4, 4] = hocompile.newton_schulz(t16, [(3.4445, -4.775, 2.0315)x2], eps=h2 clamp, wide, bf16->bf16, standard, native)  # fuse-newton-schulz
-  t18: f32[4, 4] = aten.mul.Tensor(p0_2, h3)  # capture
-  t19: f32[4, 4] = aten.add.Tensor(t18, t17, alpha=h5)  # capture
+  t18: fp32[4, 4] = aten.mul.Tensor(p0_2, h3)  # capture
+  t19: fp32[4, 4] = aten.add.Tensor(t18, t17, alpha=h5)  # capture
   return (t11, t0, t14, t4, t19, t15)
 """)
 
@@ -203,44 +203,44 @@ graph step(
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
         self.assertExpectedInline(_graph(opt, params, (Canonicalize(),)), """\
 graph step(
-  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
-  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
-  s0_0_exp_avg: f32[6, 4]  # state[param_groups[0]['params'][0]]['exp_avg']
-  s0_0_exp_avg_sq: f32[6, 4]  # state[param_groups[0]['params'][0]]['exp_avg_sq']
-  s0_0_step: f32[]  # state[param_groups[0]['params'][0]]['step']
-  p0_1: f32[4]  # param_groups[0]['params'][1]
-  g0_1: f32[4]  # param_groups[0]['params'][1].grad
-  s0_1_exp_avg: f32[4]  # state[param_groups[0]['params'][1]]['exp_avg']
-  s0_1_exp_avg_sq: f32[4]  # state[param_groups[0]['params'][1]]['exp_avg_sq']
-  s0_1_step: f32[]  # state[param_groups[0]['params'][1]]['step']
-  h0: f64 (host) = 1 - (g0.lr * g0.weight_decay)
-  h1: f64 (host) = 1 - g0.betas[0]
-  h2: f64 (host) = g0.betas[1]
-  h3: f64 (host) = 1 - g0.betas[1]
-  h4: f64 (host) = (1 - (g0.betas[1] ** f32((g0.p0.state.step + 1)))) ** 0.5
-  h5: f64 (host) = g0.eps
-  h6: f64 (host) = -(g0.lr / (1 - (g0.betas[0] ** f32((g0.p0.state.step + 1)))))
-  h7: f64 (host) = (1 - (g0.betas[1] ** f32((g0.p1.state.step + 1)))) ** 0.5
-  h8: f64 (host) = -(g0.lr / (1 - (g0.betas[0] ** f32((g0.p1.state.step + 1)))))
+  p0_0: fp32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: fp32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_exp_avg: fp32[6, 4]  # state[param_groups[0]['params'][0]]['exp_avg']
+  s0_0_exp_avg_sq: fp32[6, 4]  # state[param_groups[0]['params'][0]]['exp_avg_sq']
+  s0_0_step: fp32[]  # state[param_groups[0]['params'][0]]['step']
+  p0_1: fp32[4]  # param_groups[0]['params'][1]
+  g0_1: fp32[4]  # param_groups[0]['params'][1].grad
+  s0_1_exp_avg: fp32[4]  # state[param_groups[0]['params'][1]]['exp_avg']
+  s0_1_exp_avg_sq: fp32[4]  # state[param_groups[0]['params'][1]]['exp_avg_sq']
+  s0_1_step: fp32[]  # state[param_groups[0]['params'][1]]['step']
+  h0: fp64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h1: fp64 (host) = 1 - g0.betas[0]
+  h2: fp64 (host) = g0.betas[1]
+  h3: fp64 (host) = 1 - g0.betas[1]
+  h4: fp64 (host) = (1 - (g0.betas[1] ** f32((g0.p0.state.step + 1)))) ** 0.5
+  h5: fp64 (host) = g0.eps
+  h6: fp64 (host) = -(g0.lr / (1 - (g0.betas[0] ** f32((g0.p0.state.step + 1)))))
+  h7: fp64 (host) = (1 - (g0.betas[1] ** f32((g0.p1.state.step + 1)))) ** 0.5
+  h8: fp64 (host) = -(g0.lr / (1 - (g0.betas[0] ** f32((g0.p1.state.step + 1)))))
 ):
-  t0: f32[] = aten.add.Tensor(s0_0_step, 1)  # capture
-  t1: f32[6, 4] = aten.mul.Tensor(p0_0, h0)  # capture
-  t2: f32[6, 4] = aten.lerp.Scalar(s0_0_exp_avg, g0_0, h1)  # capture
-  t3: f32[6, 4] = aten.mul.Tensor(s0_0_exp_avg_sq, h2)  # capture
-  t4: f32[6, 4] = aten.addcmul(t3, g0_0, g0_0, value=h3)  # capture
-  t5: f32[6, 4] = aten.sqrt(t4)  # capture
-  t6: f32[6, 4] = aten.div.Tensor(t5, h4)  # capture
-  t7: f32[6, 4] = aten.add.Tensor(t6, h5)  # capture
-  t8: f32[6, 4] = aten.addcdiv(t1, t2, t7, value=h6)  # capture
-  t9: f32[] = aten.add.Tensor(s0_1_step, 1)  # capture
-  t10: f32[4] = aten.mul.Tensor(p0_1, h0)  # capture
-  t11: f32[4] = aten.lerp.Scalar(s0_1_exp_avg, g0_1, h1)  # capture
-  t12: f32[4] = aten.mul.Tensor(s0_1_exp_avg_sq, h2)  # capture
-  t13: f32[4] = aten.addcmul(t12, g0_1, g0_1, value=h3)  # capture
-  t14: f32[4] = aten.sqrt(t13)  # capture
-  t15: f32[4] = aten.div.Tensor(t14, h7)  # capture
-  t16: f32[4] = aten.add.Tensor(t15, h5)  # capture
-  t17: f32[4] = aten.addcdiv(t10, t11, t16, value=h8)  # capture
+  t0: fp32[] = aten.add.Tensor(s0_0_step, 1)  # capture
+  t1: fp32[6, 4] = aten.mul.Tensor(p0_0, h0)  # capture
+  t2: fp32[6, 4] = aten.lerp.Scalar(s0_0_exp_avg, g0_0, h1)  # capture
+  t3: fp32[6, 4] = aten.mul.Tensor(s0_0_exp_avg_sq, h2)  # capture
+  t4: fp32[6, 4] = aten.addcmul(t3, g0_0, g0_0, value=h3)  # capture
+  t5: fp32[6, 4] = aten.sqrt(t4)  # capture
+  t6: fp32[6, 4] = aten.div.Tensor(t5, h4)  # capture
+  t7: fp32[6, 4] = aten.add.Tensor(t6, h5)  # capture
+  t8: fp32[6, 4] = aten.addcdiv(t1, t2, t7, value=h6)  # capture
+  t9: fp32[] = aten.add.Tensor(s0_1_step, 1)  # capture
+  t10: fp32[4] = aten.mul.Tensor(p0_1, h0)  # capture
+  t11: fp32[4] = aten.lerp.Scalar(s0_1_exp_avg, g0_1, h1)  # capture
+  t12: fp32[4] = aten.mul.Tensor(s0_1_exp_avg_sq, h2)  # capture
+  t13: fp32[4] = aten.addcmul(t12, g0_1, g0_1, value=h3)  # capture
+  t14: fp32[4] = aten.sqrt(t13)  # capture
+  t15: fp32[4] = aten.div.Tensor(t14, h7)  # capture
+  t16: fp32[4] = aten.add.Tensor(t15, h5)  # capture
+  t17: fp32[4] = aten.addcdiv(t10, t11, t16, value=h8)  # capture
   return (t8, t2, t4, t0, t17, t11, t13, t9)
 """)
 
@@ -249,28 +249,28 @@ graph step(
         opt = torch.optim.AdamW(params, lr=1e-3)
         self.assertExpectedInline(_graph(opt, params, (Canonicalize(),), warm=False), """\
 graph step(
-  p0_0: f32[3]  # param_groups[0]['params'][0]
-  g0_0: f32[3]  # param_groups[0]['params'][0].grad
-  h0: f64 (host) = 1 - (g0.lr * g0.weight_decay)
-  h1: f64 (host) = 1 - g0.betas[0]
-  h2: f64 (host) = g0.betas[1]
-  h3: f64 (host) = 1 - g0.betas[1]
-  h4: f64 (host) = (1 - (g0.betas[1] ** 1.0)) ** 0.5
-  h5: f64 (host) = g0.eps
-  h6: f64 (host) = -(g0.lr / (1 - (g0.betas[0] ** 1.0)))
+  p0_0: fp32[3]  # param_groups[0]['params'][0]
+  g0_0: fp32[3]  # param_groups[0]['params'][0].grad
+  h0: fp64 (host) = 1 - (g0.lr * g0.weight_decay)
+  h1: fp64 (host) = 1 - g0.betas[0]
+  h2: fp64 (host) = g0.betas[1]
+  h3: fp64 (host) = 1 - g0.betas[1]
+  h4: fp64 (host) = (1 - (g0.betas[1] ** 1.0)) ** 0.5
+  h5: fp64 (host) = g0.eps
+  h6: fp64 (host) = -(g0.lr / (1 - (g0.betas[0] ** 1.0)))
 ):
-  t0: f32[] = constant(0.0)  # capture
-  t1: f32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture
-  t2: f32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture
-  t3: f32[] = aten.add.Tensor(t0, 1)  # capture
-  t4: f32[3] = aten.mul.Tensor(p0_0, h0)  # capture
-  t5: f32[3] = aten.lerp.Scalar(t1, g0_0, h1)  # capture
-  t6: f32[3] = aten.mul.Tensor(t2, h2)  # capture
-  t7: f32[3] = aten.addcmul(t6, g0_0, g0_0, value=h3)  # capture
-  t8: f32[3] = aten.sqrt(t7)  # capture
-  t9: f32[3] = aten.div.Tensor(t8, h4)  # capture
-  t10: f32[3] = aten.add.Tensor(t9, h5)  # capture
-  t11: f32[3] = aten.addcdiv(t4, t5, t10, value=h6)  # capture
+  t0: fp32[] = constant(0.0)  # capture
+  t1: fp32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture
+  t2: fp32[3] = aten.zeros_like(p0_0, pin_memory=False, memory_format=preserve_format)  # capture
+  t3: fp32[] = aten.add.Tensor(t0, 1)  # capture
+  t4: fp32[3] = aten.mul.Tensor(p0_0, h0)  # capture
+  t5: fp32[3] = aten.lerp.Scalar(t1, g0_0, h1)  # capture
+  t6: fp32[3] = aten.mul.Tensor(t2, h2)  # capture
+  t7: fp32[3] = aten.addcmul(t6, g0_0, g0_0, value=h3)  # capture
+  t8: fp32[3] = aten.sqrt(t7)  # capture
+  t9: fp32[3] = aten.div.Tensor(t8, h4)  # capture
+  t10: fp32[3] = aten.add.Tensor(t9, h5)  # capture
+  t11: fp32[3] = aten.addcdiv(t4, t5, t10, value=h6)  # capture
   return (t3, t5, t7, t11)
 """)
 
@@ -283,18 +283,18 @@ graph step(
         opt = SpellingMuon(params, torch_style_with_safety)
         self.assertExpectedInline(_graph(opt, params, (Canonicalize(), FuseNewtonSchulz())), """\
 graph step(
-  p0_0: f32[6, 4]  # param_groups[0]['params'][0]
-  g0_0: f32[6, 4]  # param_groups[0]['params'][0].grad
-  s0_0_momentum_buffer: f32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
-  h0: f64 (host) = 1 - g0.momentum
-  h1: f64 (host) = g0.momentum
-  h2: f64 (host) = g0.eps
-  h3: f64 (host) = (-g0.lr) * 1.224744871391589
+  p0_0: fp32[6, 4]  # param_groups[0]['params'][0]
+  g0_0: fp32[6, 4]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  h0: fp64 (host) = 1 - g0.momentum
+  h1: fp64 (host) = g0.momentum
+  h2: fp64 (host) = g0.eps
+  h3: fp64 (host) = (-g0.lr) * 1.224744871391589
 ):
-  t0: f32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
-  t1: f32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
-  t2: f32[6, 4] = aten.mul.Tensor(t1, 1.05)  # fuse-newton-schulz
-  t3: f32[6, 4] = hocompile.newton_schulz(t2, [(3.2804761904761905, -4.124824532987798, 1.591733407180674) + (3.4445, -4.775, 2.0315)x4], eps=h2 clamp, transpose, bf16->f32, standard, native)  # fuse-newton-schulz
-  t4: f32[6, 4] = aten.add.Tensor(p0_0, t3, alpha=h3)  # capture
+  t0: fp32[6, 4] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h0)  # capture
+  t1: fp32[6, 4] = aten.lerp.Scalar(g0_0, t0, h1)  # capture
+  t2: fp32[6, 4] = aten.mul.Tensor(t1, 1.05)  # fuse-newton-schulz
+  t3: fp32[6, 4] = hocompile.newton_schulz(t2, [(3.2804761904761905, -4.124824532987798, 1.591733407180674) + (3.4445, -4.775, 2.0315)x4], eps=h2 clamp, transpose, bf16->fp32, standard, native)  # fuse-newton-schulz
+  t4: fp32[6, 4] = aten.add.Tensor(p0_0, t3, alpha=h3)  # capture
   return (t4, t0)
 """)

@@ -249,7 +249,7 @@ def test_flops_match_design_formulas() -> None:
 def test_symmetric_blocks_chosen_only_where_measured_faster_and_large_enough() -> None:
     sym_fast = Target("cpu", AVX2_LIKE.gflops, symmetric_speedup=1.3)
     assert decide(768, 3072, 1, KJ, torch.bfloat16, "auto", sym_fast).blocks == 4
-    assert "symmetric products on 4x4 blocks" in decide(768, 3072, 1, KJ, torch.bfloat16, "auto", sym_fast).describe()
+    assert decide(768, 3072, 1, KJ, torch.bfloat16, "auto", sym_fast).decision().chose["blocks"] == 4
     assert decide(128, 512, 1, KJ, torch.bfloat16, "auto", sym_fast).blocks == 0  # blocks under 64 rows
     assert decide(768, 3072, 1, KJ, torch.bfloat16, "auto", AVX2_LIKE).blocks == 0  # not measured faster
 

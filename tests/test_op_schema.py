@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 import torch.fx as fx
 
+from hocompile import ops
 from hocompile.capture import capture
 from hocompile.graph import print_graph
 from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.ops_schema import NewtonSchulzSpec, check_schema, newton_schulz_op, schema_mismatches
+from hocompile.ops_schema import NEWTON_SCHULZ, NewtonSchulzSpec, check_schema, newton_schulz_op, schema_mismatches
 from hocompile.passes import (
     BatchByShape,
     Canonicalize,
@@ -20,6 +22,7 @@ from hocompile.passes import (
     FuseNewtonSchulz,
     run_pipeline,
 )
+from hocompile.registry import family_of
 from tests.test_expect_graphs import AVX2_LIKE, BATCHING
 
 
@@ -134,3 +137,15 @@ def test_unknown_or_missing_fields_raise_clearly() -> None:
         NewtonSchulzSpec.from_node(other)
     with pytest.raises(TypeError, match="not a graph node"):
         _ = _spec().x_node
+
+
+def test_fake_takes_the_spec_fields() -> None:
+    # The fake restates the schema by hand; a drift would only show when tracing.
+    assert tuple(inspect.signature(ops._newton_schulz_fake).parameters) == NewtonSchulzSpec.field_names()
+    out = newton_schulz_op()(*_spec(x=torch.empty(4, 8, device="meta")).to_args())
+    assert out.shape == (4, 8) and out.dtype == torch.float32 and out.device.type == "meta"
+
+
+def test_the_family_entry_uses_the_spec() -> None:
+    assert family_of(newton_schulz_op()) is NEWTON_SCHULZ and NEWTON_SCHULZ.spec is NewtonSchulzSpec
+    assert NEWTON_SCHULZ.name == "newton_schulz"

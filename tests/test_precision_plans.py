@@ -8,12 +8,21 @@ emits, by exact emulation, on every calibration spectrum.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.fx as fx
 from expecttest import TestCase
 
 import hocompile
+from hocompile.capture import capture
+from hocompile.decisions import Decision, decided, decision_of
+from hocompile.graph import describe_value
+from hocompile.host_scalars import STRUCTURAL_KEYS
 from hocompile.newton_schulz import newton_schulz, reference_fp64
+from hocompile.ops_schema import NewtonSchulzSpec
+from hocompile.passes import default_pipeline, run_pipeline
 from hocompile.passes.choose_precision import PER_CASE_TOLERANCE, plan_schedule
 from hocompile.precision.calibrate import CALIBRATED, EPS, calibration_inputs, restarts_for, schedule_key
 from hocompile.precision.coefficients import coefficients
@@ -35,7 +44,10 @@ def _muon(shapes: list[tuple[int, int]]) -> torch.optim.Optimizer:
 
 
 def _ascii(text: str) -> str:
-    return text.replace("\u2013", "-").replace("\u00d7", "x")  # expecttest writes printable ASCII only
+    # expecttest writes printable ASCII only
+    for char, plain in {"\u2013": "-", "\u00d7": "x", "\u2192": "->", "\u1d40": "^T"}.items():
+        text = text.replace(char, plain)
+    return text
 
 
 def _schedules(shapes: list[tuple[int, int]]) -> str:
@@ -43,61 +55,68 @@ def _schedules(shapes: list[tuple[int, int]]) -> str:
     opt = _muon(shapes)
     lines = []
     for target in TARGETS:
-        report = hocompile.plan(opt, target=target)
-        for line in report.splitlines():
-            if "choose-precision:" in line and "hocompile.newton_schulz" in line:
-                shape = line.split("hocompile.newton_schulz ")[1].split(":")[0]
-                decision = line.split("choose-precision: ")[1].split(";")[0]
-                lines.append(f"{target:8} {shape:18} {decision}")
+        for node, decision in _precision_decisions(opt, target):
+            shape = describe_value(NewtonSchulzSpec.from_node(node).x_node.meta["val"])
+            error = f"error {decision.predicted_error:.3g}" if decision.predicted_error is not None else "-"
+            lines.append(f"{target:8} {shape:18} {decision.label}: {error} {decision.why}")
     return "\n".join(lines) + "\n"
+
+
+def _precision_decisions(opt: torch.optim.Optimizer, target: str, **options: Any) -> list[tuple[fx.Node, Decision]]:
+    """choose-precision's decision per Newton–Schulz op, as plan() would make it (CPU: the aten pipeline)."""
+    with torch.no_grad():
+        captured = capture(opt, STRUCTURAL_KEYS)
+    gm, _ = run_pipeline(captured.gm, default_pipeline(resolve_target(target, None), **options))
+    found = [(node, decision_of(node, "choose-precision")) for node, _ in decided(gm.graph)]
+    return [(node, d) for node, d in found if d is not None]
 
 
 class TestPlannedSchedules(TestCase):
     def test_gpt2_small(self) -> None:
         self.assertExpectedInline(_schedules(GPT2), """\
-cpu-avx2 f32[768, 2304]     fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
-cpu-avx2 f32[768, 768]      fp32*5: error 1.06e-05 within budget (no worse than eager bf16 per case)
-cpu-avx2 f32[768, 3072]     fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
-cpu-avx2 f32[3072, 768]     fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[768, 2304]     bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[768, 768]      bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[768, 3072]     bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[3072, 768]     bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-sm80     f32[768, 2304]     fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
-sm80     f32[768, 768]      fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
-sm80     f32[2, 768, 3072]  fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
-sm89     f32[768, 2304]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm89     f32[768, 768]      fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm89     f32[2, 768, 3072]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm90     f32[768, 2304]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm90     f32[768, 768]      fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm90     f32[2, 768, 3072]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm100    f32[768, 2304]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm100    f32[768, 768]      fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm100    f32[2, 768, 3072]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm103    f32[768, 2304]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm103    f32[768, 768]      fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm103    f32[2, 768, 3072]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[768, 2304]    fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[768, 768]     fp32*5: error 1.06e-05 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[768, 3072]    fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[3072, 768]    fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[768, 2304]    bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[768, 768]     bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[768, 3072]    bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[3072, 768]    bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+sm80     fp32[768, 2304]    fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
+sm80     fp32[768, 768]     fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
+sm80     fp32[2, 768, 3072] fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
+sm89     fp32[768, 2304]    fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm89     fp32[768, 768]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm89     fp32[2, 768, 3072] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm90     fp32[768, 2304]    fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm90     fp32[768, 768]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm90     fp32[2, 768, 3072] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm100    fp32[768, 2304]    fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm100    fp32[768, 768]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm100    fp32[2, 768, 3072] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm103    fp32[768, 2304]    fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm103    fp32[768, 768]     fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm103    fp32[2, 768, 3072] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
 """)
 
     def test_kimi_k2_like(self) -> None:
         self.assertExpectedInline(_schedules(KIMI_K2), """\
-cpu-avx2 f32[7168, 2048]    fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
-cpu-avx2 f32[2048, 7168]    fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
-cpu-avx2 f32[7168, 18432]   fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[7168, 2048]    bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[2048, 7168]    bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-cpu-amx  f32[7168, 18432]   bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
-sm80     f32[2, 2048, 7168] fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
-sm80     f32[7168, 18432]   fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
-sm89     f32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm89     f32[7168, 18432]   fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm90     f32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm90     f32[7168, 18432]   fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm100    f32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm100    f32[7168, 18432]   fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm103    f32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
-sm103    f32[7168, 18432]   fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[7168, 2048]   fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[2048, 7168]   fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
+cpu-avx2 fp32[7168, 18432]  fp32*5: error 7.65e-06 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[7168, 2048]   bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[2048, 7168]   bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+cpu-amx  fp32[7168, 18432]  bf16*5: error 0.0596 within budget (no worse than eager bf16 per case)
+sm80     fp32[2, 2048, 7168] fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
+sm80     fp32[7168, 18432]  fp16*5: error 0.00537 within budget (no worse than eager bf16 per case)
+sm89     fp32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm89     fp32[7168, 18432]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm90     fp32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm90     fp32[7168, 18432]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm100    fp32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm100    fp32[7168, 18432]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm103    fp32[2, 2048, 7168] fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
+sm103    fp32[7168, 18432]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case)
 """)
 
     def test_full_plan_report_for_blackwell(self) -> None:
@@ -107,22 +126,29 @@ sm103    f32[7168, 18432]   fp8_e4m3*1+fp16*4: error 0.0421 within budget (no wo
 plan for Muon.step on sm100 (GEMM TFLOP/s: bf16 2250, fp16 2250, fp32 80, fp8 4500, mxfp8 4500, tf32 1100; stacks run as bmm):
   canonicalize: removed 2 identity/copy ops and 1 dead nodes
   fuse-newton-schulz: fused 4 Newton-Schulz chain(s)
+  fuse-polar: no svd -> U @ Vh found
+  fuse-eigenbasis: no sort-by-diag(Q^TLQ) -> qr(L Q) found
   batch-by-shape: 2 ops in 1 batched op(s)
   choose-algorithm: standard/bf16 x3 on sm100 (GEMM TFLOP/s: bf16 2250, fp16 2250, fp32 80, fp8 4500, mxfp8 4500, tf32 1100; stacks run as bmm)
   choose-precision: fp8_e4m3*1+fp16*4 x3 on sm100
-  hocompile.newton_schulz f32[768, 2304]: choose-algorithm: standard bf16: 14.1 us predicted, gram 10.5 us (not in half precision); choose-precision: fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case); 12.7 us predicted vs bf16*5 14.1 us
-  hocompile.newton_schulz f32[768, 768]: choose-algorithm: standard bf16: 6.04 us predicted, gram 7.25 us (not in half precision); choose-precision: fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case); 5.44 us predicted vs bf16*5 6.04 us
-  hocompile.newton_schulz f32[2, 768, 3072]: choose-algorithm: standard bf16: 36.2 us predicted, gram 24.2 us (not in half precision); choose-precision: fp8_e4m3*1+fp16*4: error 0.0421 within budget (no worse than eager bf16 per case); 32.6 us predicted vs bf16*5 36.2 us
+  hocompile.newton_schulz fp32[768, 2304]: choose-algorithm: standard bf16, 14.1 us predicted (vs gram 10.5 us, not in half precision), eager's precision; choose-precision: fp8_e4m3*1+fp16*4, 12.7 us predicted, error 0.0421 (vs bf16*5 14.1 us, error 0.19, eager's precision), within budget (no worse than eager bf16 per case)
+  hocompile.newton_schulz fp32[768, 768]: choose-algorithm: standard bf16, 6.04 us predicted (vs gram 7.25 us, not in half precision), eager's precision; choose-precision: fp8_e4m3*1+fp16*4, 5.44 us predicted, error 0.0421 (vs bf16*5 6.04 us, error 0.19, eager's precision), within budget (no worse than eager bf16 per case)
+  hocompile.newton_schulz fp32[2, 768, 3072]: choose-algorithm: standard bf16, 36.2 us predicted (vs gram 24.2 us, not in half precision), eager's precision; choose-precision: fp8_e4m3*1+fp16*4, 32.6 us predicted, error 0.0421 (vs bf16*5 36.2 us, error 0.19, eager's precision), within budget (no worse than eager bf16 per case)
+  Newton-Schulz orthogonalisation (hocompile.newton_schulz) x3: 127 GFLOP (all in GEMMs), 42.5 MB read and written, 50.7 us predicted on sm100
 """,
         )
 
 
 def test_explicit_schedule_and_absolute_budget() -> None:
     opt = _muon([(768, 768)])
-    report = hocompile.plan(opt, target="sm90", schedule="fp8_e4m3*2+bf16*3")
-    assert "choose-precision: explicit schedule fp8_e4m3*2+bf16*3" in report
-    loose = hocompile.plan(opt, target="sm90", error_budget=1.0)
-    assert "fp8_e4m3*" in loose and "absolute 1" in loose  # a loose budget buys more FP8 iterations
+    ((_, explicit),) = _precision_decisions(opt, "sm90", schedule=("fp8_e4m3",) * 2 + ("bf16",) * 3)
+    assert explicit.chose == {"schedule": "fp8_e4m3*2+bf16*3"} and explicit.why == "explicit schedule"
+    ((_, default),) = _precision_decisions(opt, "sm90")
+    ((_, loose),) = _precision_decisions(opt, "sm90", error_budget=1.0)
+    assert "absolute 1" in loose.why and loose.predicted_error is not None and default.predicted_error is not None
+    # a loose budget buys more FP8 iterations: faster, with more error
+    assert str(loose.chose["schedule"]).startswith("fp8_e4m3*") and loose.chose != default.chose
+    assert loose.predicted_s < default.predicted_s and loose.predicted_error > default.predicted_error  # type: ignore[operator]
     with pytest.raises(ValueError, match="unknown format"):
         hocompile.plan(opt, target="sm90", schedule=["fp7"] * 5)
     with pytest.raises(ValueError, match="schedule has 2 formats"):
@@ -192,15 +218,19 @@ def test_explicit_low_precision_schedule_switches_gram_to_standard(cache_dir) ->
         param.grad = torch.randn_like(param)
         opt.step()
     assert torch.isfinite(param).all()
-    report = hocompile.explain(opt)
-    assert "standard NS: Gram NS is unsafe below fp32/tf32" in report, report
+    gm = opt.history[-1].captured.gm  # type: ignore[union-attr]
+    ((node, decisions),) = decided(gm.graph)
+    algorithm, precision = decisions
+    assert algorithm.chose["algorithm"] == "gram"  # planned first, then switched for the schedule
+    assert dict(precision.chose) == {"schedule": "fp8_e4m3*1+fp16*4", "algorithm": "standard"}
+    assert "Gram NS is unsafe below fp32/tf32" in precision.why
+    assert NewtonSchulzSpec.from_node(node).algorithm == "standard"
     assert "schedule fp8_e4m3*1+fp16*4" in opt.history[-1].final_graph
 
 
 def test_no_schedule_planned_outside_the_calibrated_shapes() -> None:
     """Found by verify=: fp8_e4m3*1+fp16*4 on 16-row matrices was 3.3x eager's error; the
     calibration measures short sides >= 64, so smaller ops keep their uniform precision."""
-    report = hocompile.plan(_muon([(16, 64), (768, 768)]), target="sm90")
-    small, large = (line for line in report.splitlines() if "hocompile.newton_schulz" in line)
-    assert "outside the calibrated shapes" in small and "fp8" not in small
-    assert "fp8_e4m3*" in large
+    (_, small), (_, large) = _precision_decisions(_muon([(16, 64), (768, 768)]), "sm90")
+    assert small.chose == {} and not small.applied and "outside the calibrated shapes" in small.why
+    assert str(large.chose["schedule"]).startswith("fp8_e4m3*") and large.applied

@@ -10,6 +10,8 @@ from typing import ClassVar
 
 import torch.fx as fx
 
+from ..targets import Target
+
 log = logging.getLogger("hocompile.passes")
 
 
@@ -29,7 +31,10 @@ class Pass:
 
     Options are dataclass fields, so ``repr(pass)`` shows them and
     :meth:`identity` (which enters the cache key) changes when they or the
-    pass's source change.
+    pass's source change. A pass that plans from a target's measured rates
+    records what it chose in the graph (op arguments, structure, and
+    :class:`~hocompile.decisions.Decision` choices), so the identity names
+    the target but not its rates.
     """
 
     name: ClassVar[str] = "pass"
@@ -42,7 +47,16 @@ class Pass:
         return reason
 
     def identity(self) -> str:
-        options = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        options = ",".join(f"{f.name}={_option_identity(getattr(self, f.name))}" for f in fields(self))
         source = inspect.getsource(type(self))
         digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         return f"{self.name}({options})@{digest}"
+
+
+def _option_identity(value: object) -> str:
+    # A target's rates are predictions (a recalibration measures new ones):
+    # what a pass decides from them lands in the graph the cache key hashes,
+    # so hashing the rates too would recompile an identical plan.
+    if isinstance(value, Target):
+        return f"Target({value.name!r})"
+    return repr(value)

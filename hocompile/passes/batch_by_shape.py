@@ -1,23 +1,27 @@
-"""batch-by-shape: same-shaped Newton–Schulz ops become one batched op.
+"""batch-by-shape: same-shaped calls of a registered op become one batched call.
 
-Before (two 768×3072 and one 3072×768 matrix, same coefficients)::
+Every op family with a :class:`~hocompile.registry.BatchRule` batches; the
+example is Newton–Schulz. Before (two 768×3072 and one 3072×768 matrix, same
+coefficients)::
 
-    t2 = hocompile.newton_schulz(t1, [...], eps=h2 clamp, wide, f32->bf16, gram, native)
-    t7 = hocompile.newton_schulz(t6, [...], eps=h2 clamp, wide, f32->bf16, gram, native)
-    t12 = hocompile.newton_schulz(t11, [...], eps=h2 clamp, transpose, f32->bf16, gram, native)
+    t2 = hocompile.newton_schulz(t1, [...], eps=h2 clamp, wide, fp32->bf16, gram, native)
+    t7 = hocompile.newton_schulz(t6, [...], eps=h2 clamp, wide, fp32->bf16, gram, native)
+    t12 = hocompile.newton_schulz(t11, [...], eps=h2 clamp, transpose, fp32->bf16, gram, native)
 
 After::
 
     t13 = aten.permute(t11, [1, 0])                 # n×m shares the m×n batch
     t14 = aten.stack([t1, t6, t13])
-    t15 = hocompile.newton_schulz(t14, [...], eps=h2 clamp, wide, f32->bf16, gram, native)
+    t15 = hocompile.newton_schulz(t14, [...], eps=h2 clamp, wide, fp32->bf16, gram, native)
     t16 = aten.unbind.int(t15)
     t2 = getitem(t16, 0); t7 = getitem(t16, 1)
     t12 = aten.permute(getitem(t16, 2), [1, 0])
 
-Ops batch together when everything but the batch index is equal: wide shape,
-coefficients, eps, rounding, algorithm. A cap bounds the stack (count and
-bytes), since stacked inputs and outputs of a whole group are alive at once.
+Calls batch together when their family's ``batch.key`` is equal (for NS:
+everything but the batch index: wide shape, coefficients, eps, rounding,
+algorithm); a call whose key is None (an input already batched) stays alone.
+A cap bounds each stack (count and bytes), since the stacked inputs and
+outputs of a whole group are alive at once.
 
 Whether batching pays is the target's call: on GPUs one launch per group
 instead of per matrix; on this project's CPUs stacking measured no faster
@@ -28,29 +32,19 @@ targets.cpu_target), so there the pass declines unless ``force=True``.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field, fields
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 
 from ..graph import stable_topological_sort
-from ..ops_schema import NewtonSchulzSpec
+from ..registry import BatchRule, registered_calls
 from ..targets import Target
 from .base import Pass, PassResult
 
 aten = torch.ops.aten
-NS = "hocompile.newton_schulz"
-
-
-def _key(node: fx.Node) -> tuple[Any, ...]:
-    """Ops batch together when they agree on everything but their input (tall ones as their transpose)."""
-    spec = NewtonSchulzSpec.from_node(node)
-    x = spec.x_node.meta["val"]
-    rows, cols = int(x.shape[-2]), int(x.shape[-1])
-    wide = (cols, rows) if spec.transpose else (rows, cols)
-    options = tuple(getattr(spec, f.name) for f in fields(spec) if f.name not in ("x", "transpose"))
-    return (wide, x.dtype, *options)
 
 
 @dataclass(frozen=True)
@@ -62,38 +56,43 @@ class BatchByShape(Pass):
     force: bool = False
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
-        ns = torch.ops.hocompile.newton_schulz.default
-        ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ns]
-        if not ops:
-            return PassResult(gm, False, self.decline("no Newton–Schulz op to batch"))
+        calls = [(node, family) for node, family in registered_calls(gm.graph) if family.batch is not None]
+        if not calls:
+            return PassResult(gm, False, self.decline("no op with a batch rule to batch"))
         if not (self.force or self.target.prefers_batched):
             reason = (
                 f"{self.target.name} does not gain from stacking (a loop of mm is as fast there); "
                 "batching would only add copies and memory"
             )
             return PassResult(gm, False, self.decline(reason))
-        groups: dict[tuple[Any, ...], list[fx.Node]] = {}
+        # Keyed by op too: two families never share a stack, whatever their keys.
+        groups: dict[tuple[Any, Hashable], list[tuple[fx.Node, Any]]] = {}
+        rules: dict[Any, BatchRule] = {}
         declined: list[str] = []
-        for node in ops:
-            if NewtonSchulzSpec.from_node(node).x_node.meta["val"].dim() != 2:
+        for node, family in calls:
+            assert family.batch is not None
+            spec = family.spec_of(node)
+            key = family.batch.key(spec)
+            if key is None:
                 declined.append(self.decline(f"{node.name}: input already batched"))
                 continue
-            groups.setdefault(_key(node), []).append(node)
+            groups.setdefault((family.op, key), []).append((node, spec))
+            rules[family.op] = family.batch
+        limit = self.max_stack_bytes if self.max_stack_bytes is not None else self.target.stack_bytes
         made = 0
-        for key, members in groups.items():
+        for (op, _), members in groups.items():
             if len(members) < 2:
                 continue
-            (m, n), dtype = key[0], key[1]
-            per_matrix = m * n * dtype.itemsize * 2  # stacked input + output
-            limit = self.max_stack_bytes if self.max_stack_bytes is not None else self.target.stack_bytes
-            cap = max(1, min(self.max_batch, limit // per_matrix))
+            rule = rules[op]
+            per_call = max(_stack_bytes(rule, node, spec) for node, spec in members)
+            cap = max(1, min(self.max_batch, limit // max(1, per_call)))
             for start in range(0, len(members), cap):
                 chunk = members[start : start + cap]
                 if len(chunk) > 1:
-                    _batch(gm, chunk)
+                    _batch(gm, rule, chunk)
                     made += 1
         if not made:
-            return PassResult(gm, False, self.decline("no two Newton–Schulz ops share a shape"), declined)
+            return PassResult(gm, False, self.decline("no two calls of one op share a batch key"), declined)
         stable_topological_sort(gm.graph)
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -101,32 +100,46 @@ class BatchByShape(Pass):
         return PassResult(gm, True, f"{batched} ops in {made} batched op(s)", declined)
 
 
-def _batch(gm: fx.GraphModule, chunk: list[fx.Node]) -> None:
+def _stack_bytes(rule: BatchRule, node: fx.Node, spec: Any) -> int:
+    """Bytes one member adds to a stack: the rule's, else its tensor inputs plus its output."""
+    if rule.stack_bytes is not None:
+        return int(rule.stack_bytes(spec))
+    vals = [spec.node_of(name).meta["val"] for name in spec.tensor_fields()] + [node.meta["val"]]
+    return sum(int(v.numel() * v.element_size()) for v in vals)
+
+
+def _batch(gm: fx.GraphModule, rule: BatchRule, chunk: list[tuple[fx.Node, Any]]) -> None:
+    """Replace ``chunk`` (calls of one op with one key) by stack → one call → unbind."""
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
+    nodes, specs = [n for n, _ in chunk], [s for _, s in chunk]
+    flips = [bool(rule.transposed(spec)) for spec in specs]
     with graph.inserting_before(output):  # placed anywhere; the topological sort fixes order
-        inputs = []
-        specs = [NewtonSchulzSpec.from_node(node) for node in chunk]
-        for spec in specs:
-            x = spec.x_node
-            if spec.transpose:  # tall: batch its transpose with the wide ones
-                x = _call(graph, aten.permute.default, (x, [1, 0]), _t(x.meta["val"]))
-            inputs.append(x)
-        first = chunk[0]
-        vals = [x.meta["val"] for x in inputs]
-        stacked = _call(graph, aten.stack.default, (inputs,), torch.stack(vals))
-        args = specs[0].replace(x=stacked, transpose=False).to_args()
-        out_vals = [n.meta["val"] for n in chunk]
-        wide_outs = [_t(v) if s.transpose else v for s, v in zip(specs, out_vals)]
-        batched = _call(graph, first.target, args, torch.stack(wide_outs))
+        members: dict[str, list[fx.Node]] = {name: [] for name in specs[0].tensor_fields()}
+        for spec, flip in zip(specs, flips):
+            for name in members:
+                x = spec.node_of(name)
+                if flip:  # a tall input batches as its transpose with the wide ones
+                    x = _call(graph, aten.permute.default, (x, [1, 0]), _t(x.meta["val"]))
+                members[name].append(x)
+        stacked = {
+            name: _call(graph, aten.stack.default, (xs,), torch.stack([x.meta["val"] for x in xs]))
+            for name, xs in members.items()
+        }
+        first = nodes[0]
+        batched_spec = rule.batched(specs[0], stacked)
+        out_vals = [n.meta["val"] for n in nodes]
+        outs = [_t(v) if flip else v for flip, v in zip(flips, out_vals)]
+        batched = _call(graph, first.target, batched_spec.to_args(), torch.stack(outs))
+        # The batched call inherits the first member's recorded decisions (all share the key).
         batched.meta.update({k: v for k, v in first.meta.items() if k.startswith("hocompile.decision")})
-        parts = _call(graph, aten.unbind.int, (batched,), list(wide_outs))
-        for i, (node, spec) in enumerate(zip(chunk, specs)):
-            part = _call(graph, operator.getitem, (parts, i), wide_outs[i])
-            if spec.transpose:
+        parts = _call(graph, aten.unbind.int, (batched,), list(outs))
+        for i, (node, flip) in enumerate(zip(nodes, flips)):
+            part = _call(graph, operator.getitem, (parts, i), outs[i])
+            if flip:
                 part = _call(graph, aten.permute.default, (part, [1, 0]), out_vals[i])
             node.replace_all_uses_with(part)
-    for node in chunk:
+    for node in nodes:
         graph.erase_node(node)
 
 

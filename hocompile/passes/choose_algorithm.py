@@ -11,8 +11,11 @@ Before::
 
 After (768×3072 on a CPU without a bf16 GEMM)::
 
-    t2 = hocompile.newton_schulz(t1, ..., f32, bf16, 'gram', [], 'native')
-        # gram fp32: 20.1 ms predicted vs standard 36.2 ms (fp32 90 GFLOP/s; bf16 0.7)
+    t2 = hocompile.newton_schulz(t1, ..., fp32, bf16, 'gram', [], 'native')
+        # choose-algorithm: gram fp32, 20.1 ms predicted (vs standard 36.2 ms), no fast bf16 GEMM here
+
+The answer is recorded as a :class:`~hocompile.decisions.Decision` (its
+``chose``: algorithm, compute, restarts, matmul, blocks).
 
 Precision policy ``"auto"``: keep eager's compute dtype where the target has
 a fast GEMM for it; where it does not (bf16 on an AVX2 CPU runs ~100× slower
@@ -35,7 +38,8 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from ..graph import DECISION
+from .. import dtypes
+from ..decisions import Alternative, Choice, Decision, record, set_eager_dtype
 from ..newton_schulz import flops
 from ..ops_schema import NewtonSchulzSpec
 from ..targets import Target
@@ -43,8 +47,6 @@ from .base import Pass, PassResult
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
 SYMMETRIC_BLOCKS = 4  # 4x4: 1.47x on 768x3072 X Xᵀ here, 2x2 only 1.33x (newton_schulz.py)
-_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,33 @@ class Plan:
     compute_dtype: torch.dtype
     matmul: str
     predicted_s: float
-    alternative: str
+    alternative: Alternative
     blocks: int = 0
+    why: str = ""  # why this compute precision
 
-    def describe(self) -> str:
+    def label(self) -> str:
         return (
-            f"{self.algorithm} {_SHORT.get(self.compute_dtype, self.compute_dtype)}"
+            f"{self.algorithm} {dtypes.name(self.compute_dtype)}"
             f"{' restart ' + str(list(self.restarts)) if self.restarts else ''}"
             f"{' (emulated)' if self.matmul == 'emulate' else ''}"
-            f"{f', symmetric products on {self.blocks}x{self.blocks} blocks' if self.blocks else ''}"
-            f": {_time(self.predicted_s)} predicted, "
-            f"{self.alternative}"
+            f"{f' with symmetric products on {self.blocks}x{self.blocks} blocks' if self.blocks else ''}"
+        )
+
+    def decision(self) -> Decision:
+        chose: dict[str, Choice] = {
+            "algorithm": self.algorithm,
+            "compute": dtypes.name(self.compute_dtype),
+            "restarts": self.restarts,
+            "matmul": self.matmul,
+            "blocks": self.blocks,
+        }
+        return Decision(
+            ChooseAlgorithm.name,
+            chose,
+            label=self.label(),
+            predicted_s=self.predicted_s,
+            alternatives=(self.alternative,),
+            why=self.why,
         )
 
 
@@ -75,8 +93,11 @@ def decide(
     """The cheapest algorithm for this shape at the chosen precision."""
     if precision == "auto":
         compute = eager_dtype if target.fast(eager_dtype) else torch.float32
+        name = dtypes.name(eager_dtype)
+        why = "eager's precision" if compute == eager_dtype else f"no fast {name} GEMM here"
     else:
-        compute = _BY_NAME[precision]
+        compute = dtypes.dtype(precision)
+        why = f"precision={precision!r}"
     matmul = "native" if compute in (torch.float32, torch.float64) or target.fast(compute) else "emulate"
     rate = target.throughput(compute if matmul == "native" else torch.float32) * 1e9
     half = compute in (torch.float16, torch.bfloat16)
@@ -91,21 +112,17 @@ def decide(
         # Measured: bf16 Gram NS exceeds eager's error budget (8x on a 1x5
         # input with AOL coefficients, 3.6x on 128x128) even with a restart;
         # until choose-precision has an error model, half precision stays standard.
-        alternative = f"gram {_time(gram)} (not in half precision)"
-        return Plan("standard", (), compute, matmul, standard, alternative, blocks)
+        alternative = Alternative("gram", gram, why_not="not in half precision")
+        return Plan("standard", (), compute, matmul, standard, alternative, blocks, why)
     if gram < standard and eager_dtype.itemsize >= compute.itemsize:
         # Measured (verify=, rank-2 grads): fp32 Gram NS is 12-40x the error of
         # an eager that itself computes in fp32, outside the 1.25x budget; it
         # is well inside it only where eager rounds coarser (bf16) than we do.
-        alternative = f"gram {_time(gram)} (not at eager's own precision)"
-        return Plan("standard", (), compute, matmul, standard, alternative, blocks)
+        alternative = Alternative("gram", gram, why_not="not at eager's own precision")
+        return Plan("standard", (), compute, matmul, standard, alternative, blocks, why)
     if gram < standard:
-        return Plan("gram", restarts, compute, matmul, gram, f"standard {_time(standard)}", blocks)
-    return Plan("standard", (), compute, matmul, standard, f"gram {_time(gram)}", blocks)
-
-
-def _time(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+        return Plan("gram", restarts, compute, matmul, gram, Alternative("standard", standard), blocks, why)
+    return Plan("standard", (), compute, matmul, standard, Alternative("gram", gram), blocks, why)
 
 
 @dataclass(frozen=True)
@@ -126,7 +143,7 @@ class ChooseAlgorithm(Pass):
             rows, cols = int(x.shape[-2]), int(x.shape[-1])
             m, n = (cols, rows) if spec.transpose else (rows, cols)
             batch = int(x.shape[0]) if x.dim() == 3 else 1
-            node.meta.setdefault("hocompile.eager_dtype", spec.compute_dtype)  # choose-precision's default budget
+            set_eager_dtype(node, spec.compute_dtype)  # choose-precision's default budget
             plan = decide(m, n, batch, spec.coefficients, spec.compute_dtype, self.precision, self.target)
             # A uniform plan: it replaces any earlier per-iteration schedule.
             spec.replace(
@@ -137,8 +154,8 @@ class ChooseAlgorithm(Pass):
                 blocks=plan.blocks,
                 schedule="",
             ).apply(node)
-            node.meta[DECISION] = f"{self.name}: {plan.describe()}"
-            key = f"{plan.algorithm}/{_SHORT.get(plan.compute_dtype)}"
+            record(node, plan.decision())
+            key = f"{plan.algorithm}/{dtypes.name(plan.compute_dtype)}"
             decided[key] = decided.get(key, 0) + 1
         if not decided:
             return PassResult(gm, False, self.decline("no Newton–Schulz op to plan"))

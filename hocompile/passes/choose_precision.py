@@ -18,7 +18,10 @@ Before (sm90, torch.optim.Muon, 768×3072)::
 After::
 
     t2 = hocompile.newton_schulz(t1, ..., bf16->bf16, standard schedule fp8_e4m3*3+bf16*2, native)
-        # choose-precision: fp8_e4m3*3+bf16*2: error 0.0543 within budget (eager bf16, per case); ...
+        # choose-precision: fp8_e4m3*3+bf16*2, 32.6 us predicted, error 0.0543 (vs bf16*5 36.2 us, ...), ...
+
+The answer is recorded as a :class:`~hocompile.decisions.Decision` (its
+``chose``: the schedule; empty where the op keeps its uniform precision).
 
 The normalisation always runs in fp32. Coefficient sets without calibration
 data, and explicit precisions (``precision="bf16"``), are left alone, with
@@ -29,15 +32,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 
-from ..graph import DECISION
+from .. import dtypes
+from ..decisions import Alternative, Choice, Decision, eager_dtype, record
 from ..newton_schulz import flops
 from ..ops_schema import NewtonSchulzSpec
+from ..precision.calibrate import load_calibration, schedule_key
+from ..precision.emulate import FORMATS
 from ..targets import Target
 from .base import Pass, PassResult
 
@@ -53,8 +59,14 @@ PLANNING_FACTOR = 1.0
 # R's positive semi-definiteness (eigenvalues to -0.16) and bf16 Gram NS
 # diverging at 8-10 steps even with a restart.
 GRAM_FORMATS = frozenset({"fp32", "tf32"})
-_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_EAGER_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp32"}
+# Formats that are also storage dtypes: a uniform schedule of one becomes the op's compute dtype.
+_STORAGE = ("fp32", "bf16", "fp16")
+
+
+def _eager_format(dtype: torch.dtype) -> str:
+    """The calibrated format standing for eager's compute dtype (fp64 eager: fp32 is the finest calibrated)."""
+    name = dtypes.name(dtype)
+    return name if name in _STORAGE else "fp32"
 
 
 @dataclass(frozen=True)
@@ -65,24 +77,28 @@ class SchedulePlan:
     predicted_s: float
     eager_s: float
     eager_schedule: tuple[str, ...]
+    eager_error: float | None = None  # eager's own worst error, where the budget is eager's
 
     @property
     def key(self) -> str:
-        from ..precision.calibrate import schedule_key
 
         return schedule_key(self.schedule)
 
-    def describe(self) -> str:
-        from ..precision.calibrate import schedule_key
+    def decision(self) -> Decision:
 
-        return (
-            f"{self.key}: error {self.predicted_error:.3g} within budget ({self.budget}); "
-            f"{_time(self.predicted_s)} predicted vs {schedule_key(self.eager_schedule)} {_time(self.eager_s)}"
+        alternatives: tuple[Alternative, ...] = ()
+        if self.schedule != self.eager_schedule:
+            eager = Alternative(schedule_key(self.eager_schedule), self.eager_s, self.eager_error, "eager's precision")
+            alternatives = (eager,)
+        return Decision(
+            ChoosePrecision.name,
+            {"schedule": self.key},
+            label=self.key,
+            predicted_s=self.predicted_s,
+            predicted_error=self.predicted_error,
+            alternatives=alternatives,
+            why=f"within budget ({self.budget})",
         )
-
-
-def _time(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
 
 
 def schedule_seconds(
@@ -118,12 +134,10 @@ def plan_schedule(
     blocks: int = 0,
 ) -> SchedulePlan:
     """The fastest calibrated schedule within budget (raises KeyError for an uncalibrated set)."""
-    from ..precision.calibrate import load_calibration
-    from ..precision.emulate import FORMATS
 
     calibration = load_calibration()
     steps = len(coefficients)
-    eager = (_EAGER_FORMAT.get(eager_dtype, "fp32"),) * steps
+    eager = (_eager_format(eager_dtype),) * steps
     reference = _eager_errors(calibration, coefficients, eager) if error_budget is None else {}
 
     def within(errors: dict[Any, float]) -> bool:
@@ -133,6 +147,8 @@ def plan_schedule(
         return all(errors[case] <= PLANNING_FACTOR * reference[case] for case in finite)
 
     budget = f"absolute {error_budget:.3g}" if error_budget is not None else f"no worse than eager {eager[0]} per case"
+    eager_finite = [e for e in reference.values() if math.isfinite(e)]
+    eager_error = max(eager_finite) if eager_finite else None  # shown beside the plan, not planned on
     shortest = min(min(shape) for shape in calibration.metadata["shapes"])
     if min(m, n) < shortest:
         # The error model is measured on short sides >= 64; below that it does
@@ -154,9 +170,9 @@ def plan_schedule(
             best = (seconds, worst, schedule)
     eager_s = schedule_seconds(m, n, batch, coefficients, algorithm, eager, target, restarts, blocks)
     if best is None:  # nothing calibrated fits the budget here: keep eager's precision
-        eager_error = max(calibration.errors(coefficients, algorithm, eager).values())
-        return SchedulePlan(eager, eager_error, budget + "; nothing faster fits", eager_s, eager_s, eager)
-    return SchedulePlan(best[2], best[1], budget, best[0], eager_s, eager)
+        worst = max(calibration.errors(coefficients, algorithm, eager).values())
+        return SchedulePlan(eager, worst, budget + ", nothing faster fits", eager_s, eager_s, eager, eager_error)
+    return SchedulePlan(best[2], best[1], budget, best[0], eager_s, eager, eager_error)
 
 
 def _eager_errors(calibration: Any, coefficients: Any, eager: tuple[str, ...]) -> dict[Any, float]:
@@ -214,16 +230,18 @@ class ChoosePrecision(Pass):
                 raise ValueError(
                     f"schedule has {len(self.schedule)} formats but {node.name} runs {len(coefficients)} iterations"
                 )
-            from ..precision.calibrate import schedule_key
 
-            schedule, note = self.schedule, f"explicit schedule {schedule_key(self.schedule)}"
+            schedule, key = self.schedule, schedule_key(self.schedule)
+            chose: dict[str, Choice] = {"schedule": key}
+            why = "explicit schedule"
             if algorithm == "gram" and not set(schedule) <= GRAM_FORMATS:
                 # Measured: Gram NS with FP8/half-precision iterations diverges
                 # (NaN after one step of fp8_e4m3*1+fp16*4 without a restart).
                 spec = spec.replace(algorithm="standard", restarts=())
-                note += " (standard NS: Gram NS is unsafe below fp32/tf32)"
+                chose["algorithm"] = "standard"
+                why += ", standard NS: Gram NS is unsafe below fp32/tf32"
+            decision = Decision(self.name, chose, key, why=why)
         else:
-            eager_dtype = node.meta.get("hocompile.eager_dtype", spec.compute_dtype)
             try:
                 plan = plan_schedule(
                     m,
@@ -231,7 +249,7 @@ class ChoosePrecision(Pass):
                     batch,
                     coefficients,
                     algorithm,
-                    eager_dtype,
+                    eager_dtype(node, spec.compute_dtype),
                     self.target,
                     self.error_budget,
                     spec.restarts,
@@ -239,31 +257,26 @@ class ChoosePrecision(Pass):
                 )
             except KeyError as exc:
                 declined.append(self.decline(f"{node.name}: {exc.args[0]}; keeping its uniform precision"))
-                previous = str(node.meta.get(DECISION, ""))
-                kept = f"{self.name}: uniform precision kept ({exc.args[0]})"
-                node.meta[DECISION] = (previous + "; " if previous else "") + kept
+                record(node, Decision(self.name, {}, "uniform precision kept", why=str(exc.args[0])))
                 return ""
-            schedule, note = plan.schedule, plan.describe()
-        previous = str(node.meta.get(DECISION, ""))
-        node.meta[DECISION] = (previous + "; " if previous else "") + f"{self.name}: {note}"
+            schedule, key, decision = plan.schedule, plan.key, plan.decision()
         if not self.apply:
-            return "planned " + note.split(":")[0]
-        from ..precision.calibrate import schedule_key
-
-        key = schedule_key(schedule)
-        eager_format = _EAGER_FORMAT.get(node.meta.get("hocompile.eager_dtype", spec.compute_dtype), "fp32")
+            record(node, replace(decision, not_applied="apply_schedules=False"))
+            return f"planned {key}"
+        eager_format = _eager_format(eager_dtype(node, spec.compute_dtype))
         if set(schedule) == {eager_format} or (set(schedule) == {"fp32"} and spec.compute_dtype == torch.float32):
             # Eager's own precision (or fp32): the op's compute dtype, normalised where eager rounds.
-            spec.replace(compute_dtype=_STORAGE[schedule[0]], schedule="").apply(node)
+            spec.replace(compute_dtype=dtypes.dtype(schedule[0]), schedule="").apply(node)
         elif self.formats is not None and (spec.algorithm != "standard" or not set(schedule) <= self.formats):
             missing = sorted(set(schedule) - self.formats)
             why = f"no kernels for {missing}" if missing else f"no scheduled {spec.algorithm} NS kernels"
-            node.meta[DECISION] = str(node.meta[DECISION]) + f" (recorded, not applied: {why})"
+            record(node, replace(decision, not_applied=why))
             return f"planned {key} (not applied: {why})"
         else:
             # Anything else runs as a schedule: normalised in fp32 first (a
             # uniform fp16 cast of the raw input would underflow tiny norms).
             spec.replace(schedule=key).apply(node)
+        record(node, decision)
         return key
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from ..decisions import decisions_of
 from ..graph import ORIGIN, print_graph, verify
 from .base import Pass
 
@@ -61,6 +62,9 @@ def run_pipeline(
             if node not in before_nodes and node.op == "call_function":
                 node.meta.setdefault(ORIGIN, pass_.name)
         verify(gm)
+        for node in gm.graph.nodes:
+            # Fail at the pass that broke it: decisions are records others read by field, not prose.
+            decisions_of(node)
         if dump_dir is not None:
             (dump_dir / f"{stem}.after.txt").write_text(print_graph(gm, f"after {pass_.name}"))
         status = "changed" if result.changed else "unchanged"

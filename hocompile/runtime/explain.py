@@ -1,9 +1,24 @@
-"""hocompile.explain(opt): what was compiled, how, and what it cost."""
+"""hocompile.explain(opt): what was compiled, how, and what it cost.
+
+Besides the passes and their decisions (:mod:`hocompile.decisions`), it
+shows per registered op family (:mod:`hocompile.registry`) what the step's
+calls of it cost: the family's own ``cost(spec)`` and, where the target has a
+rate for it, the predicted time; a family added outside hocompile shows up
+with no edit here.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch.fx as fx
+
+from .. import dtypes
+from ..decisions import decisions_of, format_seconds
 from ..graph import ROLE
+from ..registry import OpFamily, registered_calls
 from ..scalars import Expr
+from ..targets import Target
 from .compiled_optimizer import CompiledEntry, CompiledOptimizer
 
 
@@ -19,18 +34,23 @@ def explain(opt: CompiledOptimizer) -> str:
         f"hocompile: {type(inner).__module__}.{type(inner).__name__}, "
         f"{len(inner.param_groups)} param group(s), {n_params} params, {opt.steps} steps",
         f"counters: compiles {c.compiles}, recompiles {len(c.recompiles)}, cache hits {c.cache_hits}, "
-        f"disk hits {c.disk_hits}, eager fallbacks {c.eager_fallbacks}",
+        f"disk hits {c.disk_hits}, eager fallbacks {c.eager_fallbacks}"
+        + (f", branch variants {len(c.variants)}" if c.variants else ""),
     ]
     if not opt.history:
         lines.append("nothing compiled yet: the first step() compiles")
+    target = _pipeline_target(opt) if opt.history else None
     for number, entry in enumerate(opt.history, start=1):
-        lines += [""] + _entry(number, entry)
+        lines += [""] + _entry(number, entry, target)
     if c.recompiles:
         lines += ["", "recompiles:"] + [f"  - {r}" for r in c.recompiles]
+    if c.variants:
+        lines += ["", "branch variants (one program per outcome of a host-number branch):"]
+        lines += [f"  - {r}" for r in c.variants]
     return "\n".join(lines) + "\n"
 
 
-def _entry(number: int, entry: CompiledEntry) -> list[str]:
+def _entry(number: int, entry: CompiledEntry, target: Target | None) -> list[str]:
     head = f"compiled step #{number} ({entry.reason}): {entry.compile_seconds:.2f} s"
     if entry.captured is None or entry.lowered is None:
         return [head, f"  runs eagerly: {entry.fallback}"]
@@ -69,6 +89,10 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
     if entry.decisions:
         lines.append("  plans:")
         lines += [f"    {d}" for d in entry.decisions]
+    costs = registered_op_costs(cap.gm, target)
+    if costs:
+        lines.append("  registered ops (cost per step):")
+        lines += [f"    {line}" for line in costs]
     lowered = entry.lowered
     origin = "from disk cache" if lowered.from_disk else "generated"
     lines.append(f"  lowering: {lowered.backend}, {origin}: {lowered.path}")
@@ -80,3 +104,58 @@ def _entry(number: int, entry: CompiledEntry) -> list[str]:
         lines += [f"    {k.name}  [{k.family}]  {k.origin}" for k in lowered.kernels]
     lines.append(f"  cache key: {entry.lowered.key[:16]}")
     return lines
+
+
+def _pipeline_target(opt: CompiledOptimizer) -> Target | None:
+    """The target the passes planned for (None for a custom pipeline without one)."""
+    for pass_ in opt.pipeline:
+        target = getattr(pass_, "target", None)
+        if isinstance(target, Target):
+            return target
+    return None
+
+
+def registered_op_costs(gm: fx.GraphModule, target: Target | None) -> list[str]:
+    """One line per registered op family in ``gm``: title, calls, FLOPs, bytes, predicted time.
+
+    A call's time is the prediction of its last applied decision (choose-
+    precision refines choose-algorithm) where a pass planned it, else its
+    GEMM FLOPs at the target's rate for the call's output dtype; a family's
+    time is shown only when every call has one.
+    """
+    groups: dict[str, tuple[OpFamily, list[fx.Node]]] = {}
+    for node, family in registered_calls(gm.graph):
+        groups.setdefault(family.name, (family, []))[1].append(node)
+    lines = []
+    for family, nodes in groups.values():
+        costs = [family.cost(family.spec_of(node)) for node in nodes]
+        flops = sum(c.flops for c in costs)
+        matmul = sum(c.matmul_flops for c in costs)
+        moved = sum(c.bytes for c in costs)
+        text = f"{family.title} (hocompile.{family.name}) x{len(nodes)}: {_amount(flops, 'FLOP')}"
+        if matmul:
+            text += " (all in GEMMs)" if matmul == flops else f" ({_amount(matmul, 'FLOP')} in GEMMs)"
+        text += f", {_amount(moved, 'B')} read and written"
+        times = [_predicted_s(node, cost.matmul_flops, target) for node, cost in zip(nodes, costs)]
+        if target is not None and times and all(t is not None for t in times):
+            text += f", {format_seconds(sum(t for t in times if t is not None))} predicted on {target.name}"
+        lines.append(text)
+    return lines
+
+
+def _predicted_s(node: fx.Node, matmul_flops: float, target: Target | None) -> float | None:
+    applied = [d for d in decisions_of(node) if d.applied]
+    if applied:  # the op runs as the last applied plan says (None: that plan predicted no time)
+        return applied[-1].predicted_s
+    val: Any = node.meta.get("val")
+    name = dtypes.name(val.dtype) if hasattr(val, "dtype") else ""
+    if target is None or not matmul_flops or name not in target.gflops:
+        return None  # no rate known: a bandwidth model is not part of Target
+    return matmul_flops / (target.gflops[name] * 1e9)
+
+
+def _amount(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"

@@ -2,11 +2,14 @@
 
 - x: eager's program, re-captured from the optimizer (so independent of
   every pass), run with each floating dtype widened to fp64;
-- y: the compiled (final) graph run the same way, its ``hocompile::`` ops
-  evaluated in fp64 as planned (Gram NS, restarts, symmetric blocks);
+- y: the compiled (final) graph run the same way, each registered
+  ``hocompile::`` op evaluated by its family's exact fp64 ``reference``
+  (for NS: as planned, Gram NS, restarts, symmetric blocks);
 - z: the compiled graph in fp64 with each Newton–Schulz op evaluated as
   standard NS in the coarser of eager's nominal precision and the plan's
-  (emulated exactly, as hocompile/newton_schulz.py does on CPUs).
+  (emulated exactly, as hocompile/newton_schulz.py does on CPUs). Only NS
+  has a precision model yet: every other family is its exact fp64
+  reference in z too, so its ops add nothing to the ``‖z − y‖`` budget.
 
 ``‖y − x‖`` is the plan's algebraic deviation from eager (zero up to fp64
 rounding for a correct plan), ``‖z − y‖`` the error eager's own precision
@@ -22,15 +25,19 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .. import dtypes
 from ..capture import CapturedStep, slot_tensor
+from ..decisions import eager_dtype
 from ..graph import ROLE, InputSlot
-from ..ops_schema import NewtonSchulzSpec, newton_schulz_op
+from ..newton_schulz import newton_schulz
+from ..ops_schema import NewtonSchulzSpec
+from ..precision.calibrate import parse_schedule_key
+from ..precision.emulate import FORMATS
+from ..precision.schedule_ns import newton_schulz_scheduled
+from ..registry import family_of
 
 if TYPE_CHECKING:
     from .compiled_optimizer import CompiledEntry, CompiledOptimizer
-
-_FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 # ------------------------------------------------------------ which tensors a plan changes
 
@@ -43,7 +50,7 @@ def plan_dependent_slots(entry: CompiledEntry) -> frozenset[InputSlot]:
     for node in captured.gm.graph.nodes:
         if _is_plan_op(node) or any(a in downstream for a in node.all_input_nodes):
             downstream.add(node)
-    if not any(_is_plan_op(n) for n in downstream) and entry.final_stats.get("newton-schulz", 0):
+    if not any(_is_plan_op(n) for n in downstream) and entry.final_stats.get("hocompile ops", 0):
         # Not the final graph (a pass returned a new module): any output may depend on a plan.
         return frozenset(action.slot for action in captured.outputs)
     return frozenset(slot for slot, value, _ in _graph_outputs(entry) if value in downstream)
@@ -85,18 +92,23 @@ def _widen(value: Any) -> Any:
 
 
 class _Float64(fx.Interpreter):
-    """Runs a graph with every floating dtype widened to fp64. ``nominal``: each Newton–Schulz op
-    as standard NS in the coarser of eager's and the plan's precision; else in fp64 as planned."""
+    """Runs a graph with every floating dtype widened to fp64, each registered op by its family's
+    fp64 reference. ``nominal``: each Newton–Schulz op instead as standard NS in the coarser of
+    eager's and the plan's precision (other families have no nominal model: exact in both)."""
 
     def __init__(self, gm: fx.GraphModule, nominal: bool = False) -> None:
         super().__init__(gm)
         self.nominal = nominal
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op == "call_function" and n.target is newton_schulz_op():
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            return self._newton_schulz(n, args, kwargs)
-        return super().run_node(n)
+        family = family_of(n)
+        if family is None:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        spec = family.spec.from_args(args, kwargs)  # runtime values: tensor fields hold tensors
+        if self.nominal and isinstance(spec, NewtonSchulzSpec):
+            return self._nominal_newton_schulz(n, spec)
+        return family.reference(spec)  # fp64 for floating results; an integer result (an order) stays integer
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         args, kwargs = pytree.tree_map(_widen, (args, kwargs))
@@ -105,36 +117,32 @@ class _Float64(fx.Interpreter):
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         return _widen(super().get_attr(target, args, kwargs))
 
-    def _newton_schulz(self, node: fx.Node, args: Any, kwargs: Any) -> torch.Tensor:
-        from ..newton_schulz import newton_schulz
-        from ..precision.calibrate import parse_schedule_key
-        from ..precision.schedule_ns import newton_schulz_scheduled
+    def _nominal_newton_schulz(self, node: fx.Node, op: NewtonSchulzSpec) -> torch.Tensor:
 
-        op = NewtonSchulzSpec.from_args(args, kwargs)  # runtime values: x is a tensor
         assert isinstance(op.x, torch.Tensor)
         x, coefficients = op.x.double(), op.coefficients
         eps, eps_mode, transpose = float(op.eps), str(op.eps_mode), bool(op.transpose)  # type: ignore[arg-type]
-        if not self.nominal:
-            return newton_schulz(x, coefficients, eps, eps_mode=eps_mode, transpose=transpose,
-                                 compute_dtype=torch.float64, out_dtype=torch.float64, algorithm=op.algorithm,
-                                 restarts=op.restarts, matmul="native", blocks=op.blocks)
-        eager = node.meta.get("hocompile.eager_dtype", op.compute_dtype)
-        candidates = [_FORMAT_OF.get(eager, "fp32"), _FORMAT_OF.get(op.compute_dtype, "fp32")]
+        eager = eager_dtype(node, op.compute_dtype)
+        candidates = [_gemm_format(eager), _gemm_format(op.compute_dtype)]
         if op.schedule:
             candidates.append(parse_schedule_key(op.schedule)[-1])  # NS corrects the earlier iterations
         fmt = max(candidates, key=_format_roundoff)
-        if fmt in ("fp64", "fp32", "bf16", "fp16"):
-            compute = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if fmt in dtypes.FLOAT_NAMES:
             out = newton_schulz(x, coefficients, eps, eps_mode=eps_mode, transpose=transpose,
-                                compute_dtype=compute[fmt], out_dtype=op.out_dtype, matmul="emulate")
+                                compute_dtype=dtypes.dtype(fmt), out_dtype=op.out_dtype, matmul="emulate")
         else:
             out = newton_schulz_scheduled(x.float(), coefficients, eps, (fmt,) * len(coefficients),
                                           eps_mode=eps_mode, transpose=transpose, out_dtype=op.out_dtype)
         return out.double()
 
 
+def _gemm_format(dtype: torch.dtype) -> str:
+    """The GEMM format a dtype computes NS in: its own name where a GEMM has it, else fp32."""
+    fmt = dtypes.name(dtype)
+    return fmt if fmt in dtypes.FLOAT_NAMES else "fp32"
+
+
 def _format_roundoff(fmt: str) -> float:
-    from ..precision.emulate import FORMATS
 
     if fmt == "fp64":
         return 2.0**-53
