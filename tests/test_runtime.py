@@ -28,9 +28,11 @@ def test_dump_dir_has_graph_before_and_after_each_pass(tmp_path, monkeypatch, ca
         "00-captured.txt",
         "01-canonicalize.after.txt", "01-canonicalize.before.txt",
         "02-fuse-newton-schulz.after.txt", "02-fuse-newton-schulz.before.txt",
-        "03-batch-by-shape.after.txt", "03-batch-by-shape.before.txt",
-        "04-choose-algorithm.after.txt", "04-choose-algorithm.before.txt",
-        "05-choose-precision.after.txt", "05-choose-precision.before.txt",
+        "03-fuse-polar.after.txt", "03-fuse-polar.before.txt",
+        "04-fuse-eigenbasis.after.txt", "04-fuse-eigenbasis.before.txt",
+        "05-batch-by-shape.after.txt", "05-batch-by-shape.before.txt",
+        "06-choose-algorithm.after.txt", "06-choose-algorithm.before.txt",
+        "07-choose-precision.after.txt", "07-choose-precision.before.txt",
         "lowered.py",
     ]
     before = (first / "01-canonicalize.before.txt").read_text()

@@ -1,8 +1,9 @@
 """The pass pipeline, in the order it runs.
 
 ``default_pipeline(target, precision)`` is the explicit tuple the runtime
-runs; see README.md for the invariants every pass keeps. Still to come:
-distribute.
+runs; see README.md for the invariants every pass keeps. The family
+recognisers (fuse-*) run before batch-by-shape so their ops batch like NS.
+Still to come: distribute.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from .batch_by_shape import BatchByShape
 from .canonicalize import Canonicalize
 from .choose_algorithm import ChooseAlgorithm
 from .choose_precision import ChoosePrecision
+from .fuse_eigenbasis import FuseEigenbasis
 from .fuse_newton_schulz import FuseNewtonSchulz
+from .fuse_polar import FusePolar
 from .runner import PassRecord, run_pipeline
 
 
@@ -35,6 +38,8 @@ def default_pipeline(
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
+        FusePolar(),
+        FuseEigenbasis(),
         BatchByShape(
             target=target,
             force=force_batch,
@@ -58,7 +63,9 @@ __all__ = [
     "Canonicalize",
     "ChooseAlgorithm",
     "ChoosePrecision",
+    "FuseEigenbasis",
     "FuseNewtonSchulz",
+    "FusePolar",
     "Pass",
     "PassRecord",
     "PassResult",
