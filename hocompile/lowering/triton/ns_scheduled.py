@@ -46,14 +46,15 @@ from .fp8_kernels import FP8_ARCHS, FP8_FORMATS, Fp8GemmSpec, amax_tiles, genera
 from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, _gram_denominator
 from .ns_kernels import KernelSet, NSLaunches, Temporaries
 
-FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Formats the scheduled kernels run natively as a storage dtype (names from hocompile.dtypes).
+FLOAT_FORMATS = frozenset({"fp32", "bf16", "fp16"})
 SCALE_BLOCK = {"interpret": 256}  # elements per ns_scale program (the interpreter is slow per program)
 DEFAULT_SCALE_BLOCK = 1024
 
 
 def schedule_formats(arch: str) -> frozenset[str]:
     """The formats this backend has NS kernels for on ``arch``."""
-    return frozenset(FLOAT_FORMATS) | (frozenset(FP8_FORMATS) if arch in FP8_ARCHS else frozenset())
+    return FLOAT_FORMATS | (frozenset(FP8_FORMATS) if arch in FP8_ARCHS else frozenset())
 
 
 def check_schedule(schedule: Sequence[str], arch: str, algorithm: str = "standard") -> None:
@@ -215,7 +216,7 @@ def emit_newton_schulz_scheduled(
         A = temps.take(m, m, storage, busy=[X])
         B = temps.take(m, m, storage, busy=[A, X])
         if fmt in FLOAT_FORMATS:
-            dtype = FLOAT_FORMATS[fmt]
+            dtype = dtypes.dtype(fmt)
             gram = GramSpec(batch, m, n, dtype, arch, in_dtype=stored)
             w.line(f"{kernels.gram(gram)}({X}, {A}, upcast={upcast})")
             poly = SymPolySpec(batch, m, dtype, arch, cubic=c == 0.0)
