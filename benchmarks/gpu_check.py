@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/gpu_check.py            # one CUDA GPU: ~5 min, hard budget 7 min (--budget-s)
     .venv/bin/python benchmarks/gpu_check.py --smoke    # CPU, Triton interpreter, tiny shapes: checks the script
     .venv/bin/python benchmarks/gpu_check.py --sections env,kernels --out /tmp/check.json
+    .venv/bin/python benchmarks/gpu_check.py --sections env,shampoo_family   # issue 12's optimizers, ~2-4 min (est.)
 
 Sections (each guarded: an error is recorded in the JSON and the next section runs):
 
@@ -18,6 +19,9 @@ Sections (each guarded: an error is recorded in the JSON and the next section ru
   (both compile), steady median (wall with sync, and CUDA events), ratio vs eager, NS TFLOP/s (standard-NS FLOPs /
   step), launches per step (hocompile's count and the profiler's kernel count), memory, params vs eager.
   torch.compile on the large set is skipped when GPT-2's compile took > 120 s or the budget cannot fit it.
+- shampoo_family (opt-in: only when named in --sections): SOAP, REKLS, MOP, PolarGrad (emerging-optimizers) and
+  hocompile's Shampoo on one GPT-2 layer's matrices, eager vs compile_optimizer (backend auto): first/second call,
+  steady median and mean step time, params after 3 steps vs eager (max relative to eager's update, tolerance 2e-2).
 
 Results go to benchmarks/results/gpu_check_<UTC timestamp>.json (or --out PATH, e.g. a folder fetched back from a
 remote machine), rewritten after every case so a timeout keeps what ran; a readable summary is printed (flushed) as
@@ -63,6 +67,7 @@ import gpu_check_kernels  # noqa: E402
 
 KJ = (3.4445, -4.775, 2.0315)
 SECTIONS = ("env", "kernels", "step", "gpt2", "large")
+OPT_IN_SECTIONS = ("shampoo_family",)  # only when named in --sections
 GPT2 = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
 LARGE = [(4096, 4096)] * 8 + [(4096, 14336)] * 8
 SMOKE_SETS = {"gpt2": [(32, 48), (48, 32), (32, 32)] * 2, "large": [(48, 48), (48, 80)]}
@@ -397,13 +402,120 @@ def section_timing(ctx: Ctx, set_name: str, out: dict[str, Any]) -> None:
     ctx.save()
 
 
+# ---------------------------------------------------------------- shampoo_family
+# Issue 12: the Shampoo family (SOAP, REKLS, MOP, PolarGrad, hocompile's Shampoo), eager vs compiled (backend
+# auto), on one GPT-2 layer's matrices. Opt-in (not in the default sections): --sections env,shampoo_family.
+
+SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
+SF_SMOKE_SHAPES = [(32, 48), (48, 32), (32, 32)]
+SF_CHECK_STEPS = 3  # steps on distinct grads before params are compared (SOAP/Shampoo build their bases at step 1)
+SF_REL_TOL = 2e-2  # max |p_compiled - p_eager| / |p_eager - p0| per param, as tiny_transformer's default tolerance
+
+
+def _shampoo_family() -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
+    import typing
+
+    import typing_extensions
+
+    if not hasattr(typing, "override"):  # emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12)
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+    from emerging_optimizers.orthogonalized_optimizers import MOP, PolarGrad
+    from emerging_optimizers.soap import REKLS, SOAP
+
+    from hocompile.optimizers import Shampoo
+
+    return {
+        "SOAP": lambda ps: SOAP(ps, lr=3e-3),
+        "REKLS": lambda ps: REKLS(ps, lr=3e-3),
+        "MOP": lambda ps: MOP(ps, lr=3e-4),
+        "PolarGrad": lambda ps: PolarGrad(ps, lr=3e-4),
+        "Shampoo": lambda ps: Shampoo(ps, lr=3e-3, precondition_frequency=10),
+    }
+
+
+def _sf_run(
+    ctx: Ctx,
+    name: str,
+    build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    compiled: bool,
+    p0: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """SF_CHECK_STEPS steps (the first two timed: capture/compile), then timed steady steps cycling the grads."""
+    params = [torch.nn.Parameter(p.clone()) for p in p0]
+    opt: Any = build(params)
+    if compiled:
+        opt = hocompile.compile_optimizer(opt, cache_dir=ctx.cache_root / f"sf-{name}")
+
+    def call(k: int) -> tuple[float, float | None]:
+        for p, g in zip(params, grads[k % len(grads)]):
+            p.grad = g
+        return _timed(ctx, opt.step)
+
+    res: dict[str, Any] = {"first_call_s": call(0)[0], "second_call_s": call(1)[0]}
+    for k in range(2, SF_CHECK_STEPS):
+        call(k)
+    after = [p.detach().clone() for p in params]
+    reps = 2 if ctx.smoke else 20  # Shampoo: two refresh periods, so the mean is its amortised step
+    times = [call(k) for k in range(reps)]
+    res.update(median_s=statistics.median(t[0] for t in times), mean_s=statistics.fmean(t[0] for t in times))
+    if ctx.cuda:
+        res["median_device_s"] = statistics.median(t[1] for t in times if t[1] is not None)
+    if compiled:
+        res.update(backend=opt.backend, counters=opt.counters.as_dict())
+    return res, after
+
+
+def section_shampoo_family(ctx: Ctx, out: dict[str, Any]) -> None:
+    shapes = SF_SMOKE_SHAPES if ctx.smoke else SF_SHAPES
+    p0, *grads = _make(ctx, shapes, seed=30, count=1 + SF_CHECK_STEPS)
+    grads = [[g * 0.05 for g in gs] for gs in grads]
+    out.update(shapes=shapes, check_steps=SF_CHECK_STEPS, rel_tol=SF_REL_TOL)
+    for name, build in _shampoo_family().items():
+        limit = ctx.left() - 5
+        if limit < 30:
+            out[name] = {"skipped": f"{limit:.0f} s of the budget left"}
+            print(f"    {name}: skipped ({out[name]['skipped']})", flush=True)
+            continue
+        res: dict[str, Any] = out.setdefault(name, {})
+        guard = {"expired": False}
+        try:
+            with _time_limit(limit) as guard:
+                res["eager"], eager_after = _sf_run(ctx, name, build, False, p0, grads)
+                res["hocompile"], comp_after = _sf_run(ctx, name, build, True, p0, grads)
+        except Exception as exc:  # noqa: BLE001
+            res.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
+            res["timed_out"] = guard["expired"]
+            ctx.check(f"shampoo_family: {name} ran", False)
+            print(f"    {name}: ERROR {res['error']}", flush=True)
+            ctx.save()
+            continue
+        err = max(((c - e).norm() / (e - p).norm()).item() for c, e, p in zip(comp_after, eager_after, p0))
+        eager, comp = res["eager"], res["hocompile"]
+        res.update(max_rel_update_diff_vs_eager=err, vs_eager=eager["median_s"] / comp["median_s"])
+        ok = ctx.check(f"shampoo_family: {name} within {SF_REL_TOL:g} of eager", err <= SF_REL_TOL)
+        print(
+            f"  {name:<10} eager {eager['median_s'] * 1e3:8.3f} ms  hocompile ({comp['backend']}) "
+            f"{comp['median_s'] * 1e3:8.3f} ms  x{res['vs_eager']:.2f}  (mean {eager['mean_s'] * 1e3:.3f} / "
+            f"{comp['mean_s'] * 1e3:.3f} ms)  first call {comp['first_call_s']:.1f} s  d-update {err:.2e} "
+            f"{'ok' if ok else 'FAIL'}  compiles {comp['counters']['compiles']}",
+            flush=True,
+        )
+        gc.collect()
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+        ctx.save()
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS + OPT_IN_SECTIONS}"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--budget-s",
@@ -418,9 +530,9 @@ def main() -> int:
         args.out or Path(__file__).resolve().parent / "results" / f"gpu_check_{stamp}{'_smoke' * args.smoke}.json"
     )
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(SECTIONS + OPT_IN_SECTIONS)
     if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS + OPT_IN_SECTIONS}")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --smoke on a CPU machine")
     ctx = Ctx(args)
@@ -432,6 +544,7 @@ def main() -> int:
         "step": lambda o: section_step(ctx, o),
         "gpt2": lambda o: section_timing(ctx, "gpt2", o),
         "large": lambda o: section_timing(ctx, "large", o),
+        "shampoo_family": lambda o: section_shampoo_family(ctx, o),
     }
     for name in sections:
         print(f"== {name} ({time.perf_counter() - ctx.start:.0f} s elapsed, {ctx.left():.0f} s left)", flush=True)

@@ -290,7 +290,7 @@ def test_resumed_prefix_is_one_run(algorithm: str, restarts: tuple[int, ...]) ->
 
 
 def test_fp8_early_schedule_is_self_corrected() -> None:
-    """NS is self-correcting: one FP8 iteration then fp32 beats all-bf16 (DESIGN.md §5)."""
+    """NS is self-correcting: one FP8 iteration then fp32 beats all-bf16."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
     ref = reference_fp64(x, KJ, 1e-7)
     err = {s: (newton_schulz_scheduled(x, KJ, 1e-7, list(s)) - ref).abs().max().item()

@@ -28,8 +28,8 @@ Inputs are [m, n] or [B, m, n]. A batched input runs one matrix per thread
 with one LAPACK thread each (:func:`_per_matrix`): ATen's batched CPU
 SVD/eigh is a loop over matrices anyway. Measured on this project's 2-core
 machine under load (benchmarks/results/polar_step.md): 165 vs 932 ms for
-the SVD polar of 3×1024×256, 70 vs 77 ms for gram_eigh of 3×256×1024;
-REFERENCES.md has 1.36-1.64× for eigh/QR on an idle one.
+the SVD polar of 3×1024×256, 70 vs 77 ms for gram_eigh of 3×256×1024
+(on an idle machine the gain for eigh/QR is smaller, 1.0-1.6×).
 """
 
 from __future__ import annotations
