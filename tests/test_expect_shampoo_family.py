@@ -1,0 +1,446 @@
+# ruff: noqa: E501
+"""Issue 12: the Shampoo family's steady-state graphs after the default pipeline. Update with EXPECTTEST_ACCEPT=1.
+
+Each optimizer gets two tiny params, one wide (4, 6) and one tall (6, 4), takes its first
+step eagerly (that step creates the state; SOAP's also takes eigh, whatever ``use_eigh``
+says), and the next step is captured: the graph a compiled optimizer compiles in steady
+state. It then runs through ``default_pipeline`` for a fixed target (``AVX2_LIKE``; also
+``BATCHING`` for one optimizer per batchable family: polar, power_qr, Newton-Schulz).
+
+A golden holds what every pass did (name, changed/unchanged, summary) and the final graph:
+whole for the short ones (MOP, PolarGrad); for the long ones (SOAP, REKLS, Shampoo: 60 to
+200 ops) only the lines a pass made (the recognised ops and what feeds and unpacks them)
+plus a count of every op in the graph, so that a fusion that stops firing shows up as a
+changed count without a 200-line diff.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers on Python 3.11)
+from hocompile.capture import capture
+from hocompile.graph import print_graph
+from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.optimizers import Shampoo
+from hocompile.passes import PassRecord, default_pipeline, run_pipeline
+from hocompile.targets import Target
+from tests.test_expect_graphs import AVX2_LIKE, BATCHING
+
+soap = pytest.importorskip("emerging_optimizers.soap")
+orthogonalized = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")
+
+Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+# expecttest writes printable ASCII only: the pass summaries' typography, spelled out.
+_PLAIN = {"\u2013": "-", "\u00d7": "x", "\u2192": "->", "\u1d40": "^T", "\u2026": "..."}
+_OP = re.compile(r"^  t\d+: .*? = ([\w.]+)\(")
+
+
+def _ascii(text: str) -> str:
+    for char, plain in _PLAIN.items():
+        text = text.replace(char, plain)
+    # Fail here, naming the character, rather than in expecttest's writer.
+    assert text.isascii(), f"add to _PLAIN: {sorted({c for c in text if not c.isascii()})}"
+    return text
+
+
+def _steady(factory: Factory, target: Target, eager_steps: int = 1) -> tuple[list[PassRecord], str]:
+    """The pass records and printed final graph of step ``eager_steps + 1``."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(4, 6, generator=gen), torch.randn(6, 4, generator=gen)]
+    opt = factory(params)
+    # emerging's SOAP family torch.compiles its Adam update: eager code here, the same
+    # state, and no Dynamo compile (4 s) in a test about hocompile's graphs.
+    with torch.compiler.set_stance("force_eager"):
+        for _ in range(eager_steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    gm, records = run_pipeline(capture(opt, STRUCTURAL_KEYS).gm, default_pipeline(target))
+    return records, print_graph(gm)
+
+
+def _passes(records: list[PassRecord]) -> list[str]:
+    return ["passes:"] + [f"  {r.name}: {r.status}: {r.summary}" for r in records]
+
+
+def _full(factory: Factory, target: Target) -> str:
+    records, graph = _steady(factory, target)
+    return _ascii("\n".join(_passes(records)) + "\n" + graph)
+
+
+def _summary(factory: Factory, target: Target, eager_steps: int = 1) -> str:
+    """Pass records, the body lines a pass made (provenance other than capture), op counts."""
+    records, graph = _steady(factory, target, eager_steps)
+    body = graph.split("\n):\n", 1)[1].splitlines()
+    ops = Counter(m.group(1) for line in body if (m := _OP.match(line)))
+    made = [line for line in body if _OP.match(line) and not line.endswith("  # capture")]
+    lines = _passes(records)
+    lines.append(f"made by passes ({len(made)} of {sum(ops.values())} ops):")
+    lines += made
+    lines.append("op counts:")
+    lines += [f"  {op} x{n}" for op, n in sorted(ops.items())]
+    return _ascii("\n".join(lines) + "\n")
+
+
+def _soap_qr(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return soap.SOAP(ps, lr=0.01)
+
+
+def _rekls(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return soap.REKLS(ps, lr=0.01)
+
+
+def _mop(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return orthogonalized.MOP(ps, lr=0.02)
+
+
+def _polargrad(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return orthogonalized.PolarGrad(ps, lr=0.02)
+
+
+def _shampoo(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    # Refreshes on steps 1, 3, 5, ...: step 2 keeps the roots, step 3 recomputes them.
+    return Shampoo(ps, lr=0.01, precondition_frequency=2)
+
+
+class TestShampooFamilyGraphs(TestCase):
+    def test_soap_qr_steady(self) -> None:
+        self.assertExpectedInline(_summary(_soap_qr, AVX2_LIKE), """\
+passes:
+  canonicalize: changed: removed 48 identity/copy ops and 0 dead nodes
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 4: mm: X X^T product outside any recognised Newton-Schulz chain ...
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: changed: fused 4 eigenbasis refresh(es)
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+made by passes (12 of 96 ops):
+  t12: fp32[4, 4] = aten.mm(t2, s0_0_Q_L)  # fuse-eigenbasis
+  t13: i64[4] = hocompile.rayleigh_order(t12, s0_0_Q_L, descending)  # fuse-eigenbasis
+  t15: fp32[6, 6] = aten.mm(t5, s0_0_Q_R)  # fuse-eigenbasis
+  t16: i64[6] = hocompile.rayleigh_order(t15, s0_0_Q_R, descending)  # fuse-eigenbasis
+  t18: fp32[4, 4] = hocompile.power_qr(t12, columns=t13, householder)  # fuse-eigenbasis
+  t19: fp32[6, 6] = hocompile.power_qr(t15, columns=t16, householder)  # fuse-eigenbasis
+  t60: fp32[6, 6] = aten.mm(t50, s0_1_Q_L)  # fuse-eigenbasis
+  t61: i64[6] = hocompile.rayleigh_order(t60, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t63: fp32[4, 4] = aten.mm(t53, s0_1_Q_R)  # fuse-eigenbasis
+  t64: i64[4] = hocompile.rayleigh_order(t63, s0_1_Q_R, descending)  # fuse-eigenbasis
+  t66: fp32[6, 6] = hocompile.power_qr(t60, columns=t61, householder)  # fuse-eigenbasis
+  t67: fp32[4, 4] = hocompile.power_qr(t63, columns=t64, householder)  # fuse-eigenbasis
+op counts:
+  aten.add.Tensor x6
+  aten.div.Tensor x6
+  aten.index_select x4
+  aten.lerp.Scalar x8
+  aten.mm x24
+  aten.permute x36
+  aten.pow.Tensor_Scalar x2
+  aten.sqrt x2
+  hocompile.power_qr x4
+  hocompile.rayleigh_order x4
+""")
+
+    def test_soap_qr_steady_batched(self) -> None:
+        self.assertExpectedInline(_summary(_soap_qr, BATCHING), """\
+passes:
+  canonicalize: changed: removed 48 identity/copy ops and 0 dead nodes
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 4: mm: X X^T product outside any recognised Newton-Schulz chain ...
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: changed: fused 4 eigenbasis refresh(es)
+  batch-by-shape: changed: 4 ops in 2 batched op(s)
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+made by passes (20 of 104 ops):
+  t12: fp32[4, 4] = aten.mm(t2, s0_0_Q_L)  # fuse-eigenbasis
+  t13: i64[4] = hocompile.rayleigh_order(t12, s0_0_Q_L, descending)  # fuse-eigenbasis
+  t15: fp32[6, 6] = aten.mm(t5, s0_0_Q_R)  # fuse-eigenbasis
+  t16: i64[6] = hocompile.rayleigh_order(t15, s0_0_Q_R, descending)  # fuse-eigenbasis
+  t22: fp32[4, 4] = aten.mm(t21, s0_1_Q_R)  # fuse-eigenbasis
+  t23: fp32[2, 4, 4] = aten.stack([t12, t22])  # batch-by-shape
+  t24: i64[4] = hocompile.rayleigh_order(t22, s0_1_Q_R, descending)  # fuse-eigenbasis
+  t25: i64[2, 4] = aten.stack([t13, t24])  # batch-by-shape
+  t26: fp32[2, 4, 4] = hocompile.power_qr(t23, columns=t25, householder)  # batch-by-shape
+  t27: (fp32[4, 4], fp32[4, 4]) = aten.unbind.int(t26)  # batch-by-shape
+  t28: fp32[4, 4] = getitem(t27, 0)  # batch-by-shape
+  t35: fp32[6, 6] = aten.mm(t34, s0_1_Q_L)  # fuse-eigenbasis
+  t36: fp32[2, 6, 6] = aten.stack([t15, t35])  # batch-by-shape
+  t37: i64[6] = hocompile.rayleigh_order(t35, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t38: i64[2, 6] = aten.stack([t16, t37])  # batch-by-shape
+  t39: fp32[2, 6, 6] = hocompile.power_qr(t36, columns=t38, householder)  # batch-by-shape
+  t40: (fp32[6, 6], fp32[6, 6]) = aten.unbind.int(t39)  # batch-by-shape
+  t41: fp32[6, 6] = getitem(t40, 0)  # batch-by-shape
+  t75: fp32[6, 6] = getitem(t40, 1)  # batch-by-shape
+  t79: fp32[4, 4] = getitem(t27, 1)  # batch-by-shape
+op counts:
+  aten.add.Tensor x6
+  aten.div.Tensor x6
+  aten.index_select x4
+  aten.lerp.Scalar x8
+  aten.mm x24
+  aten.permute x36
+  aten.pow.Tensor_Scalar x2
+  aten.sqrt x2
+  aten.stack x4
+  aten.unbind.int x2
+  getitem x4
+  hocompile.power_qr x2
+  hocompile.rayleigh_order x4
+""")
+
+    def test_rekls_steady(self) -> None:
+        self.assertExpectedInline(_summary(_rekls, AVX2_LIKE), """\
+passes:
+  canonicalize: changed: removed 50 identity/copy ops and 0 dead nodes
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: unchanged: no op with a batch rule to batch
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+made by passes (0 of 176 ops):
+op counts:
+  aten._linalg_eigh x4
+  aten.add.Tensor x6
+  aten.clamp_min x4
+  aten.div.Tensor x6
+  aten.flip x4
+  aten.index_select x4
+  aten.lerp.Scalar x8
+  aten.mm x36
+  aten.mul.Tensor x16
+  aten.permute x56
+  aten.pow.Tensor_Scalar x6
+  aten.sort x4
+  aten.sqrt x2
+  aten.sum.dim_IntList x8
+  aten.unsqueeze x4
+  getitem x8
+""")
+
+    def test_mop_steady(self) -> None:
+        self.assertExpectedInline(_full(_mop, AVX2_LIKE), """\
+passes:
+  canonicalize: unchanged: nothing to remove
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found
+  fuse-polar: changed: fused 2 polar factor(s) (svd)
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+graph step(
+  p0_0: fp32[4, 6]  # param_groups[0]['params'][0]
+  g0_0: fp32[4, 6]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[4, 6]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[6, 4]  # param_groups[0]['params'][1]
+  g0_1: fp32[6, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = (-g0.weight_decay) * g0.lr
+  h1: fp64 (host) = 1 - g0.momentum
+  h2: fp64 (host) = -g0.lr
+):
+  t0: fp32[4, 6] = aten.add.Tensor(p0_0, p0_0, alpha=h0)  # capture
+  t1: fp32[4, 6] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h1)  # capture
+  t2: fp32[4, 6] = hocompile.polar(t1, svd, scale=nuclear)  # fuse-polar
+  t3: fp32[4, 6] = aten.mul.Tensor(t2, 1.0)  # capture
+  t4: fp32[4, 6] = aten.add.Tensor(t0, t3, alpha=h2)  # capture
+  t5: fp32[6, 4] = aten.add.Tensor(p0_1, p0_1, alpha=h0)  # capture
+  t6: fp32[6, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h1)  # capture
+  t7: fp32[6, 4] = hocompile.polar(t6, svd, scale=nuclear)  # fuse-polar
+  t8: fp32[6, 4] = aten.mul.Tensor(t7, 1.0)  # capture
+  t9: fp32[6, 4] = aten.add.Tensor(t5, t8, alpha=h2)  # capture
+  return (t4, t1, t9, t6)
+""")
+
+    def test_mop_steady_batched(self) -> None:
+        self.assertExpectedInline(_full(_mop, BATCHING), """\
+passes:
+  canonicalize: unchanged: nothing to remove
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found
+  fuse-polar: changed: fused 2 polar factor(s) (svd)
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: changed: 2 ops in 1 batched op(s)
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+graph step(
+  p0_0: fp32[4, 6]  # param_groups[0]['params'][0]
+  g0_0: fp32[4, 6]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[4, 6]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[6, 4]  # param_groups[0]['params'][1]
+  g0_1: fp32[6, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = (-g0.weight_decay) * g0.lr
+  h1: fp64 (host) = 1 - g0.momentum
+  h2: fp64 (host) = -g0.lr
+):
+  t0: fp32[4, 6] = aten.add.Tensor(p0_0, p0_0, alpha=h0)  # capture
+  t1: fp32[4, 6] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h1)  # capture
+  t2: fp32[6, 4] = aten.permute(t1, [1, 0])  # batch-by-shape
+  t3: fp32[6, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h1)  # capture
+  t4: fp32[2, 6, 4] = aten.stack([t2, t3])  # batch-by-shape
+  t5: fp32[2, 6, 4] = hocompile.polar(t4, svd, scale=nuclear)  # batch-by-shape
+  t6: (fp32[6, 4], fp32[6, 4]) = aten.unbind.int(t5)  # batch-by-shape
+  t7: fp32[6, 4] = getitem(t6, 0)  # batch-by-shape
+  t8: fp32[4, 6] = aten.permute(t7, [1, 0])  # batch-by-shape
+  t9: fp32[4, 6] = aten.mul.Tensor(t8, 1.0)  # capture
+  t10: fp32[4, 6] = aten.add.Tensor(t0, t9, alpha=h2)  # capture
+  t11: fp32[6, 4] = aten.add.Tensor(p0_1, p0_1, alpha=h0)  # capture
+  t12: fp32[6, 4] = getitem(t6, 1)  # batch-by-shape
+  t13: fp32[6, 4] = aten.mul.Tensor(t12, 1.0)  # capture
+  t14: fp32[6, 4] = aten.add.Tensor(t11, t13, alpha=h2)  # capture
+  return (t10, t1, t14, t3)
+""")
+
+    def test_polargrad_steady(self) -> None:
+        self.assertExpectedInline(_full(_polargrad, AVX2_LIKE), """\
+passes:
+  canonicalize: unchanged: nothing to remove
+  fuse-newton-schulz: changed: fused 2 Newton-Schulz chain(s)
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
+  choose-algorithm: changed: standard/fp32 x2 on test-cpu (GEMM GFLOP/s: bf16 1.0, fp16 1.0, fp32 100.0; stacks run as loop of mm)
+  choose-precision: unchanged: no op planned
+graph step(
+  p0_0: fp32[4, 6]  # param_groups[0]['params'][0]
+  g0_0: fp32[4, 6]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[4, 6]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[6, 4]  # param_groups[0]['params'][1]
+  g0_1: fp32[6, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = (-g0.weight_decay) * g0.lr
+  h1: fp64 (host) = 1 - g0.momentum
+  h2: fp64 (host) = -g0.lr
+):
+  t0: fp32[4, 6] = aten.add.Tensor(p0_0, p0_0, alpha=h0)  # capture
+  t1: fp32[4, 6] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h1)  # capture
+  t2: fp32[4, 6] = hocompile.newton_schulz(t1, [(4.0848, -6.8946, 2.927) + (3.9505, -6.3029, 2.6377) + (3.7418, -5.5913, 2.3037) + (2.8769, -3.1427, 1.2046) + (2.8366, -3.0525, 1.2012)], eps=1e-07 clamp, wide, fp32->fp32, standard, native)  # fuse-newton-schulz; choose-algorithm: standard fp32, 25.6 ns predicted (vs gram 25.6 ns), eager's precision; choose-precision: uniform precision kept, short side 4 < 64, outside the calibrated shapes
+  t3: fp32[4, 6] = aten.mul.Tensor(t2, t1)  # capture
+  t4: fp32[] = aten.sum(t3)  # capture
+  t5: fp32[4, 6] = aten.mul.Tensor(t2, t4)  # capture
+  t6: fp32[4, 6] = aten.mul.Tensor(t5, 1.0)  # capture
+  t7: fp32[4, 6] = aten.add.Tensor(t0, t6, alpha=h2)  # capture
+  t8: fp32[6, 4] = aten.add.Tensor(p0_1, p0_1, alpha=h0)  # capture
+  t9: fp32[6, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h1)  # capture
+  t10: fp32[6, 4] = hocompile.newton_schulz(t9, [(4.0848, -6.8946, 2.927) + (3.9505, -6.3029, 2.6377) + (3.7418, -5.5913, 2.3037) + (2.8769, -3.1427, 1.2046) + (2.8366, -3.0525, 1.2012)], eps=1e-07 clamp, transpose, fp32->fp32, standard, native)  # fuse-newton-schulz; choose-algorithm: standard fp32, 25.6 ns predicted (vs gram 25.6 ns), eager's precision; choose-precision: uniform precision kept, short side 4 < 64, outside the calibrated shapes
+  t11: fp32[6, 4] = aten.mul.Tensor(t10, t9)  # capture
+  t12: fp32[] = aten.sum(t11)  # capture
+  t13: fp32[6, 4] = aten.mul.Tensor(t10, t12)  # capture
+  t14: fp32[6, 4] = aten.mul.Tensor(t13, 1.0)  # capture
+  t15: fp32[6, 4] = aten.add.Tensor(t8, t14, alpha=h2)  # capture
+  return (t7, t1, t15, t9)
+""")
+
+    def test_polargrad_steady_batched(self) -> None:
+        self.assertExpectedInline(_full(_polargrad, BATCHING), """\
+passes:
+  canonicalize: unchanged: nothing to remove
+  fuse-newton-schulz: changed: fused 2 Newton-Schulz chain(s)
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: changed: 2 ops in 1 batched op(s)
+  choose-algorithm: changed: standard/fp32 x1 on test-gpu (GEMM GFLOP/s: bf16 400.0, fp16 400.0, fp32 100.0; stacks run as bmm)
+  choose-precision: unchanged: no op planned
+graph step(
+  p0_0: fp32[4, 6]  # param_groups[0]['params'][0]
+  g0_0: fp32[4, 6]  # param_groups[0]['params'][0].grad
+  s0_0_momentum_buffer: fp32[4, 6]  # state[param_groups[0]['params'][0]]['momentum_buffer']
+  p0_1: fp32[6, 4]  # param_groups[0]['params'][1]
+  g0_1: fp32[6, 4]  # param_groups[0]['params'][1].grad
+  s0_1_momentum_buffer: fp32[6, 4]  # state[param_groups[0]['params'][1]]['momentum_buffer']
+  h0: fp64 (host) = (-g0.weight_decay) * g0.lr
+  h1: fp64 (host) = 1 - g0.momentum
+  h2: fp64 (host) = -g0.lr
+):
+  t0: fp32[4, 6] = aten.add.Tensor(p0_0, p0_0, alpha=h0)  # capture
+  t1: fp32[4, 6] = aten.lerp.Scalar(s0_0_momentum_buffer, g0_0, h1)  # capture
+  t2: fp32[6, 4] = aten.lerp.Scalar(s0_1_momentum_buffer, g0_1, h1)  # capture
+  t3: fp32[4, 6] = aten.permute(t2, [1, 0])  # batch-by-shape
+  t4: fp32[2, 4, 6] = aten.stack([t1, t3])  # batch-by-shape
+  t5: fp32[2, 4, 6] = hocompile.newton_schulz(t4, [(4.0848, -6.8946, 2.927) + (3.9505, -6.3029, 2.6377) + (3.7418, -5.5913, 2.3037) + (2.8769, -3.1427, 1.2046) + (2.8366, -3.0525, 1.2012)], eps=1e-07 clamp, wide, fp32->fp32, standard, native)  # batch-by-shape; choose-algorithm: standard fp32, 51.2 ns predicted (vs gram 51.2 ns), eager's precision; choose-precision: uniform precision kept, short side 4 < 64, outside the calibrated shapes
+  t6: (fp32[4, 6], fp32[4, 6]) = aten.unbind.int(t5)  # batch-by-shape
+  t7: fp32[4, 6] = getitem(t6, 0)  # batch-by-shape
+  t8: fp32[4, 6] = aten.mul.Tensor(t7, t1)  # capture
+  t9: fp32[] = aten.sum(t8)  # capture
+  t10: fp32[4, 6] = aten.mul.Tensor(t7, t9)  # capture
+  t11: fp32[4, 6] = aten.mul.Tensor(t10, 1.0)  # capture
+  t12: fp32[4, 6] = aten.add.Tensor(t0, t11, alpha=h2)  # capture
+  t13: fp32[6, 4] = aten.add.Tensor(p0_1, p0_1, alpha=h0)  # capture
+  t14: fp32[4, 6] = getitem(t6, 1)  # batch-by-shape
+  t15: fp32[6, 4] = aten.permute(t14, [1, 0])  # batch-by-shape
+  t16: fp32[6, 4] = aten.mul.Tensor(t15, t2)  # capture
+  t17: fp32[] = aten.sum(t16)  # capture
+  t18: fp32[6, 4] = aten.mul.Tensor(t15, t17)  # capture
+  t19: fp32[6, 4] = aten.mul.Tensor(t18, 1.0)  # capture
+  t20: fp32[6, 4] = aten.add.Tensor(t13, t19, alpha=h2)  # capture
+  return (t12, t1, t20, t2)
+""")
+
+    def test_shampoo_step_between_refreshes(self) -> None:
+        self.assertExpectedInline(_summary(_shampoo, AVX2_LIKE, eager_steps=1), """\
+passes:
+  canonicalize: changed: removed 8 identity/copy ops and 0 dead nodes
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_3: the norm is taken of mm_1, not of the matrix linalg_vector_norm it divides ...
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: unchanged: no op with a batch rule to batch
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+made by passes (0 of 46 ops):
+op counts:
+  aten.add.Tensor x6
+  aten.addcmul x2
+  aten.addmm x4
+  aten.div.Tensor x8
+  aten.lerp.Scalar x2
+  aten.linalg_vector_norm x4
+  aten.mm x4
+  aten.mul.Tensor x4
+  aten.permute x4
+  aten.sqrt x2
+  aten.view x6
+""")
+
+    def test_shampoo_refresh_step(self) -> None:
+        self.assertExpectedInline(_summary(_shampoo, AVX2_LIKE, eager_steps=2), """\
+passes:
+  canonicalize: changed: removed 8 identity/copy ops and 0 dead nodes
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_5: the norm is taken of mm_3, not of the matrix linalg_vector_norm it divides ...
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  batch-by-shape: unchanged: no op with a batch rule to batch
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+made by passes (0 of 114 ops):
+op counts:
+  aten._linalg_eigh x4
+  aten.abs x4
+  aten.add.Tensor x10
+  aten.addcmul x2
+  aten.addmm x4
+  aten.all x4
+  aten.clamp_min x4
+  aten.div.Tensor x12
+  aten.eq.Tensor x4
+  aten.lerp.Scalar x2
+  aten.linalg_vector_norm x4
+  aten.mm x8
+  aten.mul.Tensor x12
+  aten.ne.Scalar x4
+  aten.permute x8
+  aten.pow.Tensor_Scalar x4
+  aten.sqrt x2
+  aten.unsqueeze x4
+  aten.view x6
+  aten.where.self x4
+  getitem x8
+""")
