@@ -117,33 +117,33 @@ class TestShampooFamilyGraphs(TestCase):
     def test_soap_qr_steady(self) -> None:
         self.assertExpectedInline(_summary(_soap_qr, AVX2_LIKE), """\
 passes:
-  canonicalize: changed: removed 48 identity/copy ops and 0 dead nodes
+  canonicalize: changed: removed 56 identity/copy ops and 0 dead nodes
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 4: mm: X X^T product outside any recognised Newton-Schulz chain ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: changed: fused 4 eigenbasis refresh(es)
   batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (12 of 96 ops):
+made by passes (12 of 88 ops):
   t12: fp32[4, 4] = aten.mm(t2, s0_0_Q_L)  # fuse-eigenbasis
   t13: i64[4] = hocompile.rayleigh_order(t12, s0_0_Q_L, descending)  # fuse-eigenbasis
   t15: fp32[6, 6] = aten.mm(t5, s0_0_Q_R)  # fuse-eigenbasis
   t16: i64[6] = hocompile.rayleigh_order(t15, s0_0_Q_R, descending)  # fuse-eigenbasis
   t18: fp32[4, 4] = hocompile.power_qr(t12, columns=t13, householder)  # fuse-eigenbasis
   t19: fp32[6, 6] = hocompile.power_qr(t15, columns=t16, householder)  # fuse-eigenbasis
-  t60: fp32[6, 6] = aten.mm(t50, s0_1_Q_L)  # fuse-eigenbasis
-  t61: i64[6] = hocompile.rayleigh_order(t60, s0_1_Q_L, descending)  # fuse-eigenbasis
-  t63: fp32[4, 4] = aten.mm(t53, s0_1_Q_R)  # fuse-eigenbasis
-  t64: i64[4] = hocompile.rayleigh_order(t63, s0_1_Q_R, descending)  # fuse-eigenbasis
-  t66: fp32[6, 6] = hocompile.power_qr(t60, columns=t61, householder)  # fuse-eigenbasis
-  t67: fp32[4, 4] = hocompile.power_qr(t63, columns=t64, householder)  # fuse-eigenbasis
+  t56: fp32[6, 6] = aten.mm(t46, s0_1_Q_L)  # fuse-eigenbasis
+  t57: i64[6] = hocompile.rayleigh_order(t56, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t59: fp32[4, 4] = aten.mm(t49, s0_1_Q_R)  # fuse-eigenbasis
+  t60: i64[4] = hocompile.rayleigh_order(t59, s0_1_Q_R, descending)  # fuse-eigenbasis
+  t62: fp32[6, 6] = hocompile.power_qr(t56, columns=t57, householder)  # fuse-eigenbasis
+  t63: fp32[4, 4] = hocompile.power_qr(t59, columns=t60, householder)  # fuse-eigenbasis
 op counts:
   aten.add.Tensor x6
   aten.div.Tensor x6
   aten.index_select x4
   aten.lerp.Scalar x8
   aten.mm x24
-  aten.permute x36
+  aten.permute x28
   aten.pow.Tensor_Scalar x2
   aten.sqrt x2
   hocompile.power_qr x4
@@ -153,14 +153,14 @@ op counts:
     def test_soap_qr_steady_batched(self) -> None:
         self.assertExpectedInline(_summary(_soap_qr, BATCHING), """\
 passes:
-  canonicalize: changed: removed 48 identity/copy ops and 0 dead nodes
+  canonicalize: changed: removed 56 identity/copy ops and 0 dead nodes
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 4: mm: X X^T product outside any recognised Newton-Schulz chain ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: changed: fused 4 eigenbasis refresh(es)
   batch-by-shape: changed: 4 ops in 2 batched op(s)
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (20 of 104 ops):
+made by passes (20 of 96 ops):
   t12: fp32[4, 4] = aten.mm(t2, s0_0_Q_L)  # fuse-eigenbasis
   t13: i64[4] = hocompile.rayleigh_order(t12, s0_0_Q_L, descending)  # fuse-eigenbasis
   t15: fp32[6, 6] = aten.mm(t5, s0_0_Q_R)  # fuse-eigenbasis
@@ -172,22 +172,22 @@ made by passes (20 of 104 ops):
   t26: fp32[2, 4, 4] = hocompile.power_qr(t23, columns=t25, householder)  # batch-by-shape
   t27: (fp32[4, 4], fp32[4, 4]) = aten.unbind.int(t26)  # batch-by-shape
   t28: fp32[4, 4] = getitem(t27, 0)  # batch-by-shape
-  t35: fp32[6, 6] = aten.mm(t34, s0_1_Q_L)  # fuse-eigenbasis
-  t36: fp32[2, 6, 6] = aten.stack([t15, t35])  # batch-by-shape
-  t37: i64[6] = hocompile.rayleigh_order(t35, s0_1_Q_L, descending)  # fuse-eigenbasis
-  t38: i64[2, 6] = aten.stack([t16, t37])  # batch-by-shape
-  t39: fp32[2, 6, 6] = hocompile.power_qr(t36, columns=t38, householder)  # batch-by-shape
-  t40: (fp32[6, 6], fp32[6, 6]) = aten.unbind.int(t39)  # batch-by-shape
-  t41: fp32[6, 6] = getitem(t40, 0)  # batch-by-shape
-  t75: fp32[6, 6] = getitem(t40, 1)  # batch-by-shape
-  t79: fp32[4, 4] = getitem(t27, 1)  # batch-by-shape
+  t34: fp32[6, 6] = aten.mm(t33, s0_1_Q_L)  # fuse-eigenbasis
+  t35: fp32[2, 6, 6] = aten.stack([t15, t34])  # batch-by-shape
+  t36: i64[6] = hocompile.rayleigh_order(t34, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t37: i64[2, 6] = aten.stack([t16, t36])  # batch-by-shape
+  t38: fp32[2, 6, 6] = hocompile.power_qr(t35, columns=t37, householder)  # batch-by-shape
+  t39: (fp32[6, 6], fp32[6, 6]) = aten.unbind.int(t38)  # batch-by-shape
+  t40: fp32[6, 6] = getitem(t39, 0)  # batch-by-shape
+  t71: fp32[6, 6] = getitem(t39, 1)  # batch-by-shape
+  t74: fp32[4, 4] = getitem(t27, 1)  # batch-by-shape
 op counts:
   aten.add.Tensor x6
   aten.div.Tensor x6
   aten.index_select x4
   aten.lerp.Scalar x8
   aten.mm x24
-  aten.permute x36
+  aten.permute x28
   aten.pow.Tensor_Scalar x2
   aten.sqrt x2
   aten.stack x4
@@ -200,14 +200,14 @@ op counts:
     def test_rekls_steady(self) -> None:
         self.assertExpectedInline(_summary(_rekls, AVX2_LIKE), """\
 passes:
-  canonicalize: changed: removed 50 identity/copy ops and 0 dead nodes
+  canonicalize: changed: removed 58 identity/copy ops and 0 dead nodes
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
   batch-by-shape: unchanged: no op with a batch rule to batch
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (0 of 176 ops):
+made by passes (0 of 168 ops):
 op counts:
   aten._linalg_eigh x4
   aten.add.Tensor x6
@@ -218,7 +218,7 @@ op counts:
   aten.lerp.Scalar x8
   aten.mm x36
   aten.mul.Tensor x16
-  aten.permute x56
+  aten.permute x48
   aten.pow.Tensor_Scalar x6
   aten.sort x4
   aten.sqrt x2
@@ -388,14 +388,14 @@ graph step(
     def test_shampoo_step_between_refreshes(self) -> None:
         self.assertExpectedInline(_summary(_shampoo, AVX2_LIKE, eager_steps=1), """\
 passes:
-  canonicalize: changed: removed 8 identity/copy ops and 0 dead nodes
+  canonicalize: changed: removed 14 identity/copy ops and 0 dead nodes
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_3: the norm is taken of mm_1, not of the matrix linalg_vector_norm it divides ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
   batch-by-shape: unchanged: no op with a batch rule to batch
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (0 of 46 ops):
+made by passes (0 of 40 ops):
 op counts:
   aten.add.Tensor x6
   aten.addcmul x2
@@ -407,20 +407,19 @@ op counts:
   aten.mul.Tensor x4
   aten.permute x4
   aten.sqrt x2
-  aten.view x6
 """)
 
     def test_shampoo_refresh_step(self) -> None:
         self.assertExpectedInline(_summary(_shampoo, AVX2_LIKE, eager_steps=2), """\
 passes:
-  canonicalize: changed: removed 8 identity/copy ops and 0 dead nodes
+  canonicalize: changed: removed 14 identity/copy ops and 0 dead nodes
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_5: the norm is taken of mm_3, not of the matrix linalg_vector_norm it divides ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
   batch-by-shape: unchanged: no op with a batch rule to batch
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (0 of 114 ops):
+made by passes (0 of 108 ops):
 op counts:
   aten._linalg_eigh x4
   aten.abs x4
@@ -440,7 +439,6 @@ op counts:
   aten.pow.Tensor_Scalar x4
   aten.sqrt x2
   aten.unsqueeze x4
-  aten.view x6
   aten.where.self x4
   getitem x8
 """)

@@ -132,9 +132,14 @@ class Canonicalize(Pass):
         if node.target in _IDENTITIES:
             return True
         if node.target in _SAME_SHAPE and isinstance(node.args[0], fx.Node):
-            src = node.args[0].meta.get("val")
-            same_shape = src is not None and list(src.shape) == list(node.args[1])  # type: ignore[arg-type]
+            # Compare the result's shape, not the argument: view(x, [4, -1]) of a 4×6 x is x.
+            src, val = node.args[0].meta.get("val"), node.meta.get("val")
+            same_shape = src is not None and val is not None and list(src.shape) == list(val.shape)
             return same_shape and node not in returned and Canonicalize._same_layout(node)
+        if node.target is aten.permute.default and isinstance(node.args[0], fx.Node):
+            dims = list(node.args[1])  # type: ignore[arg-type]
+            identity = dims == list(range(len(dims)))  # a lone permute(x, [0, 1]) (tensordot makes them)
+            return identity and node not in returned and Canonicalize._same_layout(node)
         if node.target in _COPIES:
             return node not in returned and Canonicalize._layout_and_aliasing_allow(node)
         if node.target is aten._to_copy.default and node not in returned:
