@@ -64,6 +64,7 @@ from hocompile.targets import device_arch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_kernels  # noqa: E402
+import gpu_check_shampoo  # noqa: E402
 
 KJ = (3.4445, -4.775, 2.0315)
 SECTIONS = ("env", "kernels", "step", "gpt2", "large")
@@ -402,111 +403,6 @@ def section_timing(ctx: Ctx, set_name: str, out: dict[str, Any]) -> None:
     ctx.save()
 
 
-# ---------------------------------------------------------------- shampoo_family
-# Issue 12: the Shampoo family (SOAP, REKLS, MOP, PolarGrad, hocompile's Shampoo), eager vs compiled (backend
-# auto), on one GPT-2 layer's matrices. Opt-in (not in the default sections): --sections env,shampoo_family.
-
-SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
-SF_SMOKE_SHAPES = [(32, 48), (48, 32), (32, 32)]
-SF_CHECK_STEPS = 3  # steps on distinct grads before params are compared (SOAP/Shampoo build their bases at step 1)
-SF_REL_TOL = 2e-2  # max |p_compiled - p_eager| / |p_eager - p0| per param, as tiny_transformer's default tolerance
-
-
-def _shampoo_family() -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
-    import typing
-
-    import typing_extensions
-
-    if not hasattr(typing, "override"):  # emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12)
-        typing.override = typing_extensions.override  # type: ignore[attr-defined]
-    from emerging_optimizers.orthogonalized_optimizers import MOP, PolarGrad
-    from emerging_optimizers.soap import REKLS, SOAP
-
-    from hocompile.optimizers import Shampoo
-
-    return {
-        "SOAP": lambda ps: SOAP(ps, lr=3e-3),
-        "REKLS": lambda ps: REKLS(ps, lr=3e-3),
-        "MOP": lambda ps: MOP(ps, lr=3e-4),
-        "PolarGrad": lambda ps: PolarGrad(ps, lr=3e-4),
-        "Shampoo": lambda ps: Shampoo(ps, lr=3e-3, precondition_frequency=10),
-    }
-
-
-def _sf_run(
-    ctx: Ctx,
-    name: str,
-    build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-    compiled: bool,
-    p0: list[torch.Tensor],
-    grads: list[list[torch.Tensor]],
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """SF_CHECK_STEPS steps (the first two timed: capture/compile), then timed steady steps cycling the grads."""
-    params = [torch.nn.Parameter(p.clone()) for p in p0]
-    opt: Any = build(params)
-    if compiled:
-        opt = hocompile.compile_optimizer(opt, cache_dir=ctx.cache_root / f"sf-{name}")
-
-    def call(k: int) -> tuple[float, float | None]:
-        for p, g in zip(params, grads[k % len(grads)]):
-            p.grad = g
-        return _timed(ctx, opt.step)
-
-    res: dict[str, Any] = {"first_call_s": call(0)[0], "second_call_s": call(1)[0]}
-    for k in range(2, SF_CHECK_STEPS):
-        call(k)
-    after = [p.detach().clone() for p in params]
-    reps = 2 if ctx.smoke else 20  # Shampoo: two refresh periods, so the mean is its amortised step
-    times = [call(k) for k in range(reps)]
-    res.update(median_s=statistics.median(t[0] for t in times), mean_s=statistics.fmean(t[0] for t in times))
-    if ctx.cuda:
-        res["median_device_s"] = statistics.median(t[1] for t in times if t[1] is not None)
-    if compiled:
-        res.update(backend=opt.backend, counters=opt.counters.as_dict())
-    return res, after
-
-
-def section_shampoo_family(ctx: Ctx, out: dict[str, Any]) -> None:
-    shapes = SF_SMOKE_SHAPES if ctx.smoke else SF_SHAPES
-    p0, *grads = _make(ctx, shapes, seed=30, count=1 + SF_CHECK_STEPS)
-    grads = [[g * 0.05 for g in gs] for gs in grads]
-    out.update(shapes=shapes, check_steps=SF_CHECK_STEPS, rel_tol=SF_REL_TOL)
-    for name, build in _shampoo_family().items():
-        limit = ctx.left() - 5
-        if limit < 30:
-            out[name] = {"skipped": f"{limit:.0f} s of the budget left"}
-            print(f"    {name}: skipped ({out[name]['skipped']})", flush=True)
-            continue
-        res: dict[str, Any] = out.setdefault(name, {})
-        guard = {"expired": False}
-        try:
-            with _time_limit(limit) as guard:
-                res["eager"], eager_after = _sf_run(ctx, name, build, False, p0, grads)
-                res["hocompile"], comp_after = _sf_run(ctx, name, build, True, p0, grads)
-        except Exception as exc:  # noqa: BLE001
-            res.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
-            res["timed_out"] = guard["expired"]
-            ctx.check(f"shampoo_family: {name} ran", False)
-            print(f"    {name}: ERROR {res['error']}", flush=True)
-            ctx.save()
-            continue
-        err = max(((c - e).norm() / (e - p).norm()).item() for c, e, p in zip(comp_after, eager_after, p0))
-        eager, comp = res["eager"], res["hocompile"]
-        res.update(max_rel_update_diff_vs_eager=err, vs_eager=eager["median_s"] / comp["median_s"])
-        ok = ctx.check(f"shampoo_family: {name} within {SF_REL_TOL:g} of eager", err <= SF_REL_TOL)
-        print(
-            f"  {name:<10} eager {eager['median_s'] * 1e3:8.3f} ms  hocompile ({comp['backend']}) "
-            f"{comp['median_s'] * 1e3:8.3f} ms  x{res['vs_eager']:.2f}  (mean {eager['mean_s'] * 1e3:.3f} / "
-            f"{comp['mean_s'] * 1e3:.3f} ms)  first call {comp['first_call_s']:.1f} s  d-update {err:.2e} "
-            f"{'ok' if ok else 'FAIL'}  compiles {comp['counters']['compiles']}",
-            flush=True,
-        )
-        gc.collect()
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-        ctx.save()
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -544,7 +440,7 @@ def main() -> int:
         "step": lambda o: section_step(ctx, o),
         "gpt2": lambda o: section_timing(ctx, "gpt2", o),
         "large": lambda o: section_timing(ctx, "large", o),
-        "shampoo_family": lambda o: section_shampoo_family(ctx, o),
+        "shampoo_family": lambda o: gpu_check_shampoo.section(ctx, o, _make, _timed, _time_limit),
     }
     for name in sections:
         print(f"== {name} ({time.perf_counter() - ctx.start:.0f} s elapsed, {ctx.left():.0f} s left)", flush=True)
