@@ -28,22 +28,21 @@ eager's ``(QᵀL) ∘ Qᵀ``, and ``P[:, order]`` gathers the columns eager's
 ``lerp`` of ``G Gᵀ`` is) an unbatched refresh is bitwise eager wherever
 the GEMM computes a column independently of its position (checked in
 tests/test_eigenbasis_family.py). A batched ``power_qr`` runs one
-single-threaded LAPACK QR per matrix (:func:`_per_matrix`), which rounds
+single-threaded LAPACK QR per matrix (:func:`~hocompile.families.per_matrix.per_matrix`), which rounds
 differently from eager's multi-threaded call: Q agrees to ~1e-5 (columns
 up to sign; SOAP's update is invariant to column signs).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..registry import BatchRule, Cost, Input, OpFamily, OpSpec, register
+from .per_matrix import per_matrix
 
 
 def _check_square(name: str, x: torch.Tensor) -> None:
@@ -75,59 +74,6 @@ def power_qr_eager(lq: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(torch.gather(lq, -1, index)).Q
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A lasting pool per size: a fresh thread's first LAPACK call sets up MKL/OpenMP state (ms at n=256)."""
-    with _POOLS_LOCK:
-        if workers not in _POOLS:
-            _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hocompile-qr")
-        return _POOLS[workers]
-
-
-def _per_matrix(
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor, b: torch.Tensor
-) -> torch.Tensor:
-    """``fn`` on each matrix of a [B, ...] stack, side by side with one intra-op thread each.
-
-    ATen's batched CPU QR calls LAPACK once per matrix with every core on
-    each, which scales poorly at n ≤ 1024 (measured in
-    benchmarks/results/soap_step.md); matrices side by side scale better.
-    When B is not a multiple of the thread count, the last B mod T
-    matrices share all T threads instead of leaving threads idle (B=3 on 2
-    cores: two matrices at once, then the third with both threads).
-    ``torch.set_num_threads`` is per OpenMP thread (MKL's is thread-local),
-    so workers set their own and the caller restores its count afterwards.
-    """
-    threads, count = torch.get_num_threads(), a.shape[0]
-    if count < 2 or threads < 2:
-        return fn(a, b)
-    # head: whole rounds of one-thread calls; tail: the rest, sharing all threads.
-    tail = count % threads if count > threads else count
-    head = count - tail
-    per_tail = threads // tail if tail else 1
-
-    def one(i: int, inner: int) -> torch.Tensor:
-        if torch.get_num_threads() != inner:  # a worker keeps its count: resetting it rebuilds OpenMP state
-            torch.set_num_threads(inner)
-        return fn(a[i], b[i])
-
-    outs: list[torch.Tensor] = []
-    pool = _pool(threads)
-    try:
-        outs += pool.map(one, range(head), [1] * head)
-        if tail == 1:
-            outs.append(fn(a[head], b[head]))  # the caller's thread, all cores
-        elif tail:
-            outs += pool.map(one, range(head, count), [per_tail] * tail)
-    finally:
-        if torch.get_num_threads() != threads:  # ATen also keeps a global count; put it back for the caller
-            torch.set_num_threads(threads)
-    return torch.stack(outs)
-
-
 @torch.library.custom_op("hocompile::rayleigh_order", mutates_args=())
 def rayleigh_order(lq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """argsort(diag(Qᵀ L Q), descending) per matrix, given ``lq`` = L Q with L symmetric."""
@@ -146,7 +92,7 @@ def power_qr(lq: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Q of ``qr(lq[:, order])`` per matrix; a [B, n, n] stack runs one matrix per thread."""
     _check_square("power_qr", lq)
     if lq.dim() == 3:
-        return _per_matrix(power_qr_eager, lq, order)
+        return per_matrix(power_qr_eager, lq, order)
     return power_qr_eager(lq, order)
 
 

@@ -25,7 +25,7 @@ Methods:
   Never a default.
 
 Inputs are [m, n] or [B, m, n]. A batched input runs one matrix per thread
-with one LAPACK thread each (:func:`_per_matrix`): ATen's batched CPU
+with one LAPACK thread each (:func:`~hocompile.families.per_matrix.per_matrix`): ATen's batched CPU
 SVD/eigh is a loop over matrices anyway. Measured on this project's 2-core
 machine under load (benchmarks/results/polar_step.md): 165 vs 932 ms for
 the SVD polar of 3×1024×256, 70 vs 77 ms for gram_eigh of 3×256×1024
@@ -35,13 +35,13 @@ the SVD polar of 3×1024×256, 70 vs 77 ms for gram_eigh of 3×256×1024
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..registry import BatchRule, Cost, Input, OpFamily, OpSpec, register
+from .per_matrix import per_matrix
 
 METHODS = ("svd", "gram_eigh")
 SCALES = ("none", "nuclear")
@@ -94,36 +94,13 @@ def polar_gram_eigh(x: torch.Tensor, scale: str) -> torch.Tensor:
     return out
 
 
-def _per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` on each matrix of [B, m, n], one per thread with one intra-op thread each.
-
-    ATen's batched CPU SVD/eigh calls LAPACK once per matrix, each call
-    using all cores with poor scaling at these sizes; matrices in parallel
-    scale better. ``torch.set_num_threads`` is per OpenMP thread (and MKL's
-    is thread-local), so workers set 1 and the caller restores its own.
-    """
-    threads = torch.get_num_threads()
-    if x.shape[0] < 2 or threads < 2:
-        return fn(x)
-
-    def one(i: int) -> torch.Tensor:
-        torch.set_num_threads(1)
-        return fn(x[i])
-
-    try:
-        with ThreadPoolExecutor(max_workers=min(threads, x.shape[0])) as pool:
-            return torch.stack(list(pool.map(one, range(x.shape[0]))))
-    finally:
-        torch.set_num_threads(threads)  # ATen also keeps a global count; put it back for the caller
-
-
 @torch.library.custom_op("hocompile::polar", mutates_args=())
 def polar(x: torch.Tensor, method: str = "svd", scale: str = "none") -> torch.Tensor:
     """polar(x) = U Vᵀ of x's thin SVD (times ‖x‖_* if ``scale="nuclear"``), by ``method``."""
     _check(x, method, scale)
     fn = polar_svd if method == "svd" else polar_gram_eigh
     if x.dim() == 3:
-        return _per_matrix(lambda m: fn(m, scale), x)
+        return per_matrix(lambda m: fn(m, scale), x)
     return fn(x, scale)
 
 
