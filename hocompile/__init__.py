@@ -15,7 +15,7 @@ import torch
 from .diskcache import CacheWarning
 from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
-from .runtime.compiled_optimizer import RecompileLimitWarning
+from .runtime.compiled_optimizer import LinAlgFallbackWarning, RecompileLimitWarning
 from .runtime.explain import explain
 from .runtime.plan import plan
 from .runtime.verify import VerificationError
@@ -133,6 +133,7 @@ __all__ = [
     "CaptureError",
     "CompiledOptimizer",
     "Fallback",
+    "LinAlgFallbackWarning",
     "Precision",
     "RecompileLimitWarning",
     "Settings",

@@ -8,8 +8,14 @@ later reads the destination's old value, so a temporary lives about as long
 as eager's in-place update would.
 
 Validation and capture happen before the graph runs, so a refused input still
-changes nothing; an error raised while the lowered code runs (out of memory,
-say) can leave part of the update applied, as it would in eager's in-place loop.
+changes nothing. A graph with *fallible* ops (eigh, SVD, Cholesky: LAPACK can
+fail to converge on the data, and the optimizers in the field retry such a
+failure in float64 in a Python ``except`` no trace can see) writes nothing
+back before its last fallible op: when one raises, params and state are as
+they were, and the runtime runs that step eagerly instead (its retry and all).
+The cost is that those outputs live until that op, not from their last read.
+Any other error raised while the lowered code runs (out of memory, say) can
+leave part of the update applied, as it would in eager's in-place loop.
 """
 
 from __future__ import annotations
@@ -18,6 +24,36 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
+
+# Ops that raise on their input's values (torch.linalg.LinAlgError), not only on shapes.
+FALLIBLE: frozenset[str] = frozenset(
+    {
+        "aten::_linalg_eigh",
+        "aten::linalg_eigh",
+        "aten::_linalg_svd",
+        "aten::linalg_svd",
+        "aten::linalg_cholesky",
+        "aten::linalg_cholesky_ex",
+        "aten::linalg_inv",
+        "aten::linalg_inv_ex",
+        "aten::linalg_solve",
+        "aten::_linalg_solve_ex",
+        "aten::linalg_eig",
+        "aten::linalg_eigvalsh",
+        "aten::_linalg_check_errors",
+        "hocompile::polar",  # an SVD (or the opt-in Gram eigh) per matrix
+    }
+)
+
+
+def is_fallible(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name in FALLIBLE
+
+
+def write_fence(gm: fx.GraphModule) -> fx.Node | None:
+    """The last fallible op: no write-back may come before it (see the module docstring)."""
+    return next((n for n in reversed(gm.graph.nodes) if is_fallible(n)), None)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -50,6 +86,7 @@ def schedule_writebacks(gm: fx.GraphModule, copy_into: list[int | None]) -> list
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     output = next(n for n in gm.graph.nodes if n.op == "output")
+    fence = write_fence(gm)
     values = list(output.args[0])
     kept: list[int] = []
     for index, (value, dest_index) in enumerate(zip(values, copy_into)):
@@ -57,7 +94,7 @@ def schedule_writebacks(gm: fx.GraphModule, copy_into: list[int | None]) -> list
             kept.append(index)
             continue
         dest = placeholders[dest_index]
-        anchor = max([value, *readers(dest)], key=order.__getitem__)
+        anchor = max([value, *readers(dest), *([fence] if fence else [])], key=order.__getitem__)
         with gm.graph.inserting_after(anchor):
             copy = gm.graph.call_function(aten.copy_.default, (dest, value))
         copy.meta["hocompile.origin"] = "writeback"

@@ -25,6 +25,7 @@ from ..graph import decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..lowering.triton import lower_to_triton
 from ..lowering.triton.ns_scheduled import schedule_formats
+from ..lowering.writeback import write_fence
 from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
 from ..settings import Backend, Settings
 from ..targets import Target, device_arch, resolve_target
@@ -53,6 +54,9 @@ class CompiledStep:
     lower_seconds: float = 0.0
     seconds: float = 0.0  # the whole call, capture included
     key: str = ""  # cache key of the lowered module; "" when not lowered
+    # The lowered step writes nothing back before its last fallible op (eigh, SVD):
+    # a LinAlgError it raises leaves params and state as they were (writeback.py).
+    fenced: bool = False
 
 
 def params_device(opt: torch.optim.Optimizer) -> torch.device:
@@ -152,6 +156,8 @@ def _lower(
     captured = step.captured
     index_of = {slot: i for i, slot in enumerate(captured.inputs)}
     copy_into = [index_of[a.slot] if a.mode == "copy" else None for a in captured.outputs]
+    # Only the aten lowering fences its write-backs (the Triton wrapper places its own).
+    step.fenced = backend == "aten" and write_fence(step.gm) is not None
     if backend == "triton":
         step.lowered = _lower_triton(step.gm, step.key, header, copy_into, settings, device)
     else:

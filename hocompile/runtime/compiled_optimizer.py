@@ -37,6 +37,7 @@ from .entries import (
     _FORWARDED,
     CompiledEntry,
     Counters,
+    LinAlgFallbackWarning,
     RecompileLimitWarning,
     _check_optimizer_like,
     host_env,
@@ -46,7 +47,7 @@ from .guards import Signature, describe_change, signature
 from .validate import UnsupportedParameterError, validate
 from .verify import run_step
 
-__all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "RecompileLimitWarning"]
+__all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "LinAlgFallbackWarning", "RecompileLimitWarning"]
 
 
 # Programs one signature may hold for the outcomes of host-number branches before
@@ -293,7 +294,19 @@ class CompiledOptimizer(torch.optim.Optimizer):
             # expected steady-state one, exactly as a compiled first step does.
             self._created_state = self._state_keys() != keys_before
             return
-        run_step(self, entry, env)  # self._run, checked against eager for the first `verify` steps
+        try:
+            run_step(self, entry, env)  # self._run, checked against eager for the first `verify` steps
+        except torch.linalg.LinAlgError as exc:
+            if not entry.fenced:
+                raise
+            # The data, not the plan: eager retries such a failure in float64 (SOAP,
+            # Shampoo) in an `except` no trace can see. Nothing was written back yet.
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            name = type(self._inner).__name__
+            log.warning("hocompile: %s in a compiled %s step; running this step eagerly", message, name)
+            warnings.warn(f"{message}: this step of {name} ran eagerly", LinAlgFallbackWarning, 2)
+            self.counters.eager_fallbacks += 1
+            unwrapped_step(self._inner)(self._inner)
 
     def _state_keys(self) -> list[tuple[Any, ...]]:
         """The keys of every state entry, group and attribute: what a first step creates."""
@@ -379,6 +392,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             reason,
             decisions=step.decisions,
             final_stats=step.final_stats,
+            fenced=step.fenced,
         )
         log.info("hocompile: compiled in %.2f s (cache key %s)", entry.compile_seconds, step.key[:16])
         return self._remember(sig, entry, expected, variant)

@@ -43,6 +43,10 @@ class RecompileLimitWarning(UserWarning):
     """An optimizer recompiled ``recompile_limit`` times; new configurations run eagerly."""
 
 
+class LinAlgFallbackWarning(UserWarning):
+    """An eigh/SVD in a compiled step did not converge; that step ran eagerly (with its retries)."""
+
+
 _COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles", "variants")
 
 
@@ -98,6 +102,7 @@ class CompiledEntry:
     decisions: list[str] = field(default_factory=list)  # per-op plans, for explain()
     final_stats: dict[str, int] = field(default_factory=dict)
     verification: Verification = field(default_factory=Verification)  # verify=N: steps checked against eager
+    fenced: bool = False  # a LinAlgError it raises has written nothing (compile_step.CompiledStep.fenced)
 
 
 def host_env(opt: torch.optim.Optimizer, captured: CapturedStep) -> dict[str, Any]:
