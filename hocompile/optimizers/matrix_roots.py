@@ -108,8 +108,9 @@ def matrix_inverse_root(
     is kept. A result that is not finite (NaN/inf in the factor, a diverged
     Newton iteration) also keeps the previous root. That last check is a
     ``torch.where`` on the device, so it is part of a compiled step; the
-    retry is a Python ``except`` that a trace cannot see (the compiled step
-    raises instead, with params and state untouched).
+    retry is a Python ``except`` that a trace cannot see: a compiled step whose
+    eigh raises has written nothing back, and the runtime runs that step eagerly,
+    retry included (tests/test_linalg_fallback.py).
     """
     if method not in ROOT_METHODS:
         raise ValueError(f"root method {method!r}: expected one of {ROOT_METHODS}")
