@@ -173,6 +173,17 @@ def _power_qr_stack_bytes(spec: PowerQRSpec) -> int:
     return int(2 * x.numel() * x.element_size() + x.shape[-1] * 8)  # stacked P and Q_new, plus the order
 
 
+# One thread per matrix beats eager's loop of two-thread QRs from n = 256 on this
+# project's 2-core CPU (2.4x at 3×256², 1.5x at 2×512², 1.05x at 3×1024²); at
+# n ≤ 192 the hand-off to the pool costs more than it saves (0.4x at 16, 1.0x at 192).
+# benchmarks/soap_step.py prints the table.
+PER_MATRIX_MIN_N = 256
+
+
+def _threads_pay(spec: PowerQRSpec) -> bool:
+    return int(spec.node_of("lq").meta["val"].shape[-1]) >= PER_MATRIX_MIN_N
+
+
 RAYLEIGH_ORDER = register(
     OpFamily(
         spec=RayleighOrderSpec,
@@ -194,6 +205,7 @@ POWER_QR = register(
             key=_power_qr_key,
             batched=lambda spec, stacked: spec.replace(lq=stacked["lq"], order=stacked["order"]),
             stack_bytes=_power_qr_stack_bytes,
+            per_matrix_threads=_threads_pay,
         ),
     )
 )

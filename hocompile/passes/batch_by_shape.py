@@ -54,6 +54,9 @@ class BatchByShape(Pass):
     max_batch: int = 64
     max_stack_bytes: int | None = None  # None: the target's stack_bytes
     force: bool = False
+    # On a target that declines stacking, still stack the calls whose family runs its
+    # batch one LAPACK thread per matrix, where its rule says that pays.
+    per_matrix_threads: bool = True
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         calls = [(node, family) for node, family in registered_calls(gm.graph) if family.batch is not None]
@@ -64,7 +67,13 @@ class BatchByShape(Pass):
                 f"{self.target.name} does not gain from stacking (a loop of mm is as fast there); "
                 "batching would only add copies and memory"
             )
-            return PassResult(gm, False, self.decline(reason))
+            # Except the families whose batched call is one LAPACK call per matrix, one
+            # thread each: on several cores that beats eager's loop of multi-threaded calls
+            # (SOAP's QR refresh from n = 256; families/eigenbasis.py). MOP's polar does not
+            # opt in: its exact path is bitwise eager, one-thread SVDs round differently.
+            calls = [(n, f) for n, f in calls if self.per_matrix_threads and _threads_pay(n, f)]
+            if not calls:
+                return PassResult(gm, False, self.decline(reason))
         # Keyed by op too: two families never share a stack, whatever their keys.
         groups: dict[tuple[Any, Hashable], list[tuple[fx.Node, Any]]] = {}
         rules: dict[Any, BatchRule] = {}
@@ -98,6 +107,13 @@ class BatchByShape(Pass):
         gm.recompile()
         batched = sum(len(v) for v in groups.values() if len(v) > 1)
         return PassResult(gm, True, f"{batched} ops in {made} batched op(s)", declined)
+
+
+def _threads_pay(node: fx.Node, family: Any) -> bool:
+    rule = family.batch
+    if rule is None or rule.per_matrix_threads is None or torch.get_num_threads() < 2:
+        return False
+    return bool(rule.per_matrix_threads(family.spec_of(node)))
 
 
 def _stack_bytes(rule: BatchRule, node: fx.Node, spec: Any) -> int:
