@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/soap_step.py                    # issue 12's params, writes results/soap_step.md
     .venv/bin/python benchmarks/soap_step.py --shapes tiny --rounds 3 --out /tmp/soap.md
+    .venv/bin/python benchmarks/soap_step.py --optimizer rekls --out benchmarks/results/rekls_step.md
+    .venv/bin/python benchmarks/soap_step.py --shapes gpt2 --variants eager,default --lean \
+        --rounds 2 --warmup 2 --out benchmarks/results/soap_step_gpt2.md   # ~1 min per step here
 
 Variants, stepped in turn every round on identical params and grads (so
 machine noise hits all alike; medians over rounds):
@@ -52,6 +55,8 @@ from hocompile.settings import Settings  # noqa: E402
 
 SHAPES = {
     "issue12": [(256, 1024), (256, 1024), (1024, 256), (512, 512)],
+    # GPT-2 small's 48 matrices (attn c_attn, c_proj; mlp c_fc, c_proj per layer)
+    "gpt2": [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12,
     "tiny": [(16, 32), (16, 32), (32, 16)],
 }
 VARIANTS = ("eager", "default", "fused", "fused+batched")
@@ -70,10 +75,14 @@ def matmul_flops(gm: fx.GraphModule) -> float:
     return total
 
 
-def soap(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    from emerging_optimizers.soap import SOAP
+OPTIMIZER = "soap"  # set from --optimizer
 
-    return SOAP(params, lr=0.01)
+
+def soap(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """SOAP(lr=0.01), or REKLS(lr=0.01) with ``--optimizer rekls``; defaults otherwise."""
+    from emerging_optimizers.soap import REKLS, SOAP
+
+    return REKLS(params, lr=0.01) if OPTIMIZER == "rekls" else SOAP(params, lr=0.01)
 
 
 def pipelines(settings: Settings) -> dict[str, tuple[Pass, ...]]:
@@ -160,81 +169,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default="issue12")
-    parser.add_argument("--rounds", type=int, default=9, help="timed steps per variant (interleaved)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles happen here)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "soap_step.md")
-    parser.add_argument("--append", action="store_true", help="add this run to --out instead of replacing it")
-    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shapes = SHAPES[args.shapes]
-    load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
-    settings = Settings.resolve(cache_dir=tempfile.mkdtemp(prefix="hocompile-soap-"))
-    pipes = pipelines(settings)
-    gen = torch.Generator().manual_seed(0)
-    initial = [torch.randn(*s, generator=gen) for s in shapes]
-    params = {v: [p.clone() for p in initial] for v in VARIANTS}
-    opts: dict[str, Any] = {"eager": soap(params["eager"])}
-    for name in VARIANTS[1:]:
-        opts[name] = CompiledOptimizer(soap(params[name]), settings, pipes[name])
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    first: dict[str, float] = {}
-    history: list[list[torch.Tensor]] = []
-    for step in range(args.warmup + args.rounds):
-        grads = [torch.randn(*s, generator=gen) for s in shapes]
-        history.append(grads)
-        rotation = VARIANTS[step % len(VARIANTS) :] + VARIANTS[: step % len(VARIANTS)]
-        for name in rotation:
-            for p, g in zip(params[name], grads):
-                p.grad = g.clone()
-            start = time.perf_counter()
-            opts[name].step()
-            seconds = time.perf_counter() - start
-            if step < 2:  # steps 0 and 1 compile (eigh path, then the QR path); eager's torch.compile too
-                first[name] = first.get(name, 0.0) + seconds
-            if step >= args.warmup:
-                times[name].append(seconds)
-        shown = ", ".join(f"{v} {times[v][-1] * 1e3:.0f} ms" for v in VARIANTS if times[v])
-        print(f"step {step}: {shown}", flush=True)
-    median = {v: statistics.median(times[v]) * 1e3 for v in VARIANTS}
-    diffs = {
-        v: max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(params["eager"], params[v]))
-        for v in VARIANTS[1:]
-    }
-    diffs["eager, 1 thread (noise floor)"] = eager_one_thread_diff(initial, history, params["eager"])
-    load_after = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
-    flops = graph_flops(shapes, pipes)
-    qr_rows = qr_microbench(shapes, max(3, args.rounds))
-
+def extras(flops: dict[str, float], qr_rows: list[tuple[int, int, dict[str, float]]]) -> list[str]:
+    """The FLOP count and QR table (skipped with --lean)."""
     lines = [
-        "# SOAP step on CPU: eager vs hocompile (fuse-eigenbasis)",
-        "",
-        f"Command: `{shlex.join(['.venv/bin/python', 'benchmarks/soap_step.py', *sys.argv[1:]])}`",
-        "",
-        f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; CPU: {cpu_model()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads; emerging-optimizers SOAP(lr=0.01), fp32",
-        f"- params {shapes}; {args.warmup} warm-up steps, then {args.rounds} timed steps per variant, "
-        "variants interleaved (rotating order) on identical grads; median ms/step",
-        f"- load average (1/5/15 min) before {' '.join(load_before)}, after the steps {' '.join(load_after)} "
-        "(other processes share these cores: compare variants within this run only)",
-        "",
-        "| variant | median ms/step | min | max | vs eager | steps 0+1 s | max rel param diff vs eager |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for v in VARIANTS:
-        diff = f"{diffs[v]:.1e}" if v in diffs else "-"
-        if v == "eager":
-            floor = diffs["eager, 1 thread (noise floor)"]
-            diff = f"(eager 1 thread vs {torch.get_num_threads()}: {floor:.1e})"
-        lines.append(
-            f"| {v} | {median[v]:.1f} | {min(times[v]) * 1e3:.1f} | {max(times[v]) * 1e3:.1f} | "
-            f"{median['eager'] / median[v]:.2f}x | {first[v]:.2f} | {diff} |"
-        )
-    lines += [
         "",
         "Matmul FLOPs per steady (QR-path) step, counted from the graphs (2·m·k·n per mm/bmm):",
         "",
@@ -257,10 +194,100 @@ def main() -> None:
             f"| {n} | {count} | {row['aten batched']:.1f} | {row['loop']:.1f} | "
             f"{row['per-matrix threads']:.1f} | {speedup:.2f}x |"
         )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="issue12")
+    parser.add_argument("--rounds", type=int, default=9, help="timed steps per variant (interleaved)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles happen here)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "soap_step.md")
+    parser.add_argument("--append", action="store_true", help="add this run to --out instead of replacing it")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's)")
+    parser.add_argument("--optimizer", choices=("soap", "rekls"), default="soap")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="a subset of " + ",".join(VARIANTS))
+    parser.add_argument(
+        "--lean", action="store_true", help="skip the 1-thread noise floor, FLOP count and QR table (large shapes)"
+    )
+    args = parser.parse_args()
+    global OPTIMIZER
+    OPTIMIZER = args.optimizer
+    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    if not variants or variants[0] != "eager":
+        parser.error("--variants must include eager (the baseline)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = SHAPES[args.shapes]
+    load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
+    settings = Settings.resolve(cache_dir=tempfile.mkdtemp(prefix="hocompile-soap-"))
+    pipes = pipelines(settings)
+    gen = torch.Generator().manual_seed(0)
+    initial = [torch.randn(*s, generator=gen) for s in shapes]
+    params = {v: [p.clone() for p in initial] for v in variants}
+    opts: dict[str, Any] = {"eager": soap(params["eager"])}
+    for name in variants[1:]:
+        opts[name] = CompiledOptimizer(soap(params[name]), settings, pipes[name])
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    first: dict[str, float] = {}
+    history: list[list[torch.Tensor]] = []
+    for step in range(args.warmup + args.rounds):
+        grads = [torch.randn(*s, generator=gen) for s in shapes]
+        history.append(grads)
+        rotation = variants[step % len(variants) :] + variants[: step % len(variants)]
+        for name in rotation:
+            for p, g in zip(params[name], grads):
+                p.grad = g.clone()
+            start = time.perf_counter()
+            opts[name].step()
+            seconds = time.perf_counter() - start
+            if step < 2:  # steps 0 and 1 compile (eigh path, then the QR path); eager's torch.compile too
+                first[name] = first.get(name, 0.0) + seconds
+            if step >= args.warmup:
+                times[name].append(seconds)
+        shown = ", ".join(f"{v} {times[v][-1] * 1e3:.0f} ms" for v in variants if times[v])
+        print(f"step {step}: {shown}", flush=True)
+    median = {v: statistics.median(times[v]) * 1e3 for v in variants}
+    diffs = {
+        v: max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(params["eager"], params[v]))
+        for v in variants[1:]
+    }
+    load_after = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
+    if not args.lean:
+        diffs["eager, 1 thread (noise floor)"] = eager_one_thread_diff(initial, history, params["eager"])
+    flops = {} if args.lean else graph_flops(shapes, {k: v for k, v in pipes.items() if k in variants})
+    qr_rows = [] if args.lean else qr_microbench(shapes, max(3, args.rounds))
+
+    lines = [
+        f"# {args.optimizer.upper()} step on CPU: eager vs hocompile",
+        "",
+        f"Command: `{shlex.join(['.venv/bin/python', 'benchmarks/soap_step.py', *sys.argv[1:]])}`",
+        "",
+        f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; CPU: {cpu_model()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads; emerging-optimizers {args.optimizer.upper()}(lr=0.01), fp32",
+        f"- params {shapes}; {args.warmup} warm-up steps, then {args.rounds} timed steps per variant, "
+        "variants interleaved (rotating order) on identical grads; median ms/step",
+        f"- load average (1/5/15 min) before {' '.join(load_before)}, after the steps {' '.join(load_after)} "
+        "(other processes share these cores: compare variants within this run only)",
+        "",
+        "| variant | median ms/step | min | max | vs eager | steps 0+1 s | max rel param diff vs eager |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in variants:
+        diff = f"{diffs[v]:.1e}" if v in diffs else "-"
+        if v == "eager" and not args.lean:
+            floor = diffs["eager, 1 thread (noise floor)"]
+            diff = f"(eager 1 thread vs {torch.get_num_threads()}: {floor:.1e})"
+        lines.append(
+            f"| {v} | {median[v]:.1f} | {min(times[v]) * 1e3:.1f} | {max(times[v]) * 1e3:.1f} | "
+            f"{median['eager'] / median[v]:.2f}x | {first[v]:.2f} | {diff} |"
+        )
+    if not args.lean:
+        lines += extras(flops, qr_rows)
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.append and args.out.exists():
-        text = args.out.read_text() + "\n" + text.replace("# SOAP step on CPU", "## Another run: SOAP step on CPU", 1)
+        text = args.out.read_text() + "\n" + text.replace("# ", "## Another run: ", 1)
     args.out.write_text(text)
     print(text)
 
