@@ -4,7 +4,9 @@ Besides the passes and their decisions (:mod:`hocompile.decisions`), it
 shows per registered op family (:mod:`hocompile.registry`) what the step's
 calls of it cost: the family's own ``cost(spec)`` and, where the target has a
 rate for it, the predicted time; a family added outside hocompile shows up
-with no edit here.
+with no edit here. ``measure=True`` also runs each compiled step on copies
+of the optimizer's tensors and shows each family's measured time next to its
+prediction (:mod:`hocompile.runtime.measure_step`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from ..registry import OpFamily, registered_calls
 from ..scalars import Expr
 from ..targets import Target
 from .compiled_optimizer import CompiledEntry, CompiledOptimizer
+from .measure_step import StepMeasurement, measure_entry
 
 
-def explain(opt: CompiledOptimizer) -> str:
+def explain(opt: CompiledOptimizer, measure: bool = False) -> str:
+    """The compiled steps, their passes, plans and costs. ``measure=True``: time each compiled
+    step's registered ops on copies of the current params, grads and state (call it after
+    ``backward()``, while the grads are set); the optimizer itself is left as it was."""
     if not isinstance(opt, CompiledOptimizer):
         raise TypeError(f"explain() takes the result of compile_optimizer(), got {type(opt).__name__}")
     inner = opt.optimizer
@@ -41,7 +47,8 @@ def explain(opt: CompiledOptimizer) -> str:
         lines.append("nothing compiled yet: the first step() compiles")
     target = _pipeline_target(opt) if opt.history else None
     for number, entry in enumerate(opt.history, start=1):
-        lines += [""] + _entry(number, entry, target)
+        measured = measure_entry(opt.optimizer, entry) if measure else None
+        lines += [""] + _entry(number, entry, target, measured)
     if c.recompiles:
         lines += ["", "recompiles:"] + [f"  - {r}" for r in c.recompiles]
     if c.variants:
@@ -50,7 +57,7 @@ def explain(opt: CompiledOptimizer) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _entry(number: int, entry: CompiledEntry, target: Target | None) -> list[str]:
+def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: StepMeasurement | None) -> list[str]:
     head = f"compiled step #{number} ({entry.reason}): {entry.compile_seconds:.2f} s"
     if entry.captured is None or entry.lowered is None:
         return [head, f"  runs eagerly: {entry.fallback}"]
@@ -67,8 +74,7 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None) -> list[str
     final = entry.final_stats
     if final:
         lines.append(
-            f"  after passes: {final['ops']} ops ({final['matmuls']} matmuls, "
-            f"{final['newton-schulz']} newton_schulz)"
+            f"  after passes: {final['ops']} ops ({final['matmuls']} matmuls, {final['newton-schulz']} newton_schulz)"
         )
     scalars = [n for n in cap.gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get(ROLE), Expr)]
     if scalars:
@@ -89,10 +95,19 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None) -> list[str
     if entry.decisions:
         lines.append("  plans:")
         lines += [f"    {d}" for d in entry.decisions]
-    costs = registered_op_costs(cap.gm, target)
+    costs = registered_op_costs(cap.gm, target, measured)
     if costs:
         lines.append("  registered ops (cost per step):")
         lines += [f"    {line}" for line in costs]
+    if measured is not None:
+        if measured.skipped:
+            lines.append(f"  measured: not measured, {measured.skipped}")
+        else:
+            in_ops = sum(measured.per_op_s.values())
+            lines.append(
+                f"  measured: {format_seconds(measured.step_s)} per step on copies of the current tensors "
+                f"(registered ops {format_seconds(in_ops)}, everything else {format_seconds(measured.step_s - in_ops)})"
+            )
     lowered = entry.lowered
     origin = "from disk cache" if lowered.from_disk else "generated"
     lines.append(f"  lowering: {lowered.backend}, {origin}: {lowered.path}")
@@ -115,8 +130,11 @@ def _pipeline_target(opt: CompiledOptimizer) -> Target | None:
     return None
 
 
-def registered_op_costs(gm: fx.GraphModule, target: Target | None) -> list[str]:
-    """One line per registered op family in ``gm``: title, calls, FLOPs, bytes, predicted time.
+def registered_op_costs(
+    gm: fx.GraphModule, target: Target | None, measured: StepMeasurement | None = None
+) -> list[str]:
+    """One line per registered op family in ``gm``: title, calls, FLOPs, bytes, predicted
+    (and, given ``measured``, measured) time.
 
     A call's time is the prediction of its last applied decision (choose-
     precision refines choose-algorithm) where a pass planned it, else its
@@ -139,6 +157,8 @@ def registered_op_costs(gm: fx.GraphModule, target: Target | None) -> list[str]:
         times = [_predicted_s(node, cost.matmul_flops, target) for node, cost in zip(nodes, costs)]
         if target is not None and times and all(t is not None for t in times):
             text += f", {format_seconds(sum(t for t in times if t is not None))} predicted on {target.name}"
+        if measured is not None and family.name in measured.per_op_s:
+            text += f", {format_seconds(measured.per_op_s[family.name])} measured"
         lines.append(text)
     return lines
 
