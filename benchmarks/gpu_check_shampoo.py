@@ -1,10 +1,15 @@
 """gpu_check's opt-in ``shampoo_family`` section (issue 12): SOAP, REKLS, MOP, PolarGrad and
 hocompile's Shampoo, eager vs compiled (backend auto) on one GPT-2 layer's matrices: step times
 and the compiled update's distance from eager's. Run: ``gpu_check.py --sections env,shampoo_family``.
+
+It first runs the ``factor_update`` and ``two_sided`` Triton kernels on their own (compiled for the
+device, not interpreted): each against the op's torch arithmetic on the same GPU (fp32, true fp32
+dots, so the error is fp32 rounding: within ``SF_KERNEL_TOL`` relative), and their time against it.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import traceback
@@ -22,6 +27,84 @@ SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
 SF_SMOKE_SHAPES = [(32, 48), (48, 32), (32, 32)]
 SF_CHECK_STEPS = 3  # steps on distinct grads before params are compared (SOAP/Shampoo build their bases at step 1)
 SF_REL_TOL = 2e-2  # max |p_compiled - p_eager| / |p_eager - p0| per param, as tiny_transformer's default tolerance
+
+
+SF_KERNEL_TOL = 1e-5  # max |triton - torch| / max |torch|: fp32 dots (ieee) in another summation order
+
+
+def _kernel_node(fn: Callable[..., Any], args: list[torch.Tensor], op: Any) -> Any:
+    """The one ``op`` node of ``fn``'s graph after canonicalize and the issue-12 fuse passes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hocompile.passes import Canonicalize, FuseFactorUpdate, FuseTwoSided
+
+    gm = Canonicalize()(make_fx(lambda *xs: (fn(*xs),), tracing_mode="fake")(*args)).gm
+    FuseFactorUpdate()(gm)
+    FuseTwoSided()(gm)
+    (node,) = [n for n in gm.graph.nodes if n.target is op]
+    return node
+
+
+def _kernel_check(ctx: Any, out: dict[str, Any], shapes: list[tuple[int, int]], timed: Callable[..., Any]) -> None:
+    """factor_update (left and right) and two_sided (SOAP's projection) per shape: error and time vs torch."""
+    from hocompile.families.factor_update import FACTOR_UPDATE
+    from hocompile.families.two_sided import TWO_SIDED
+    from hocompile.lowering.triton import call_group, module
+    from hocompile.targets import device_arch
+
+    dev = torch.device(ctx.device)
+    gen = torch.Generator(device=dev).manual_seed(40)
+    results: dict[str, Any] = out.setdefault("kernels", {})
+    for m, n in shapes:
+        g = torch.randn(m, n, device=dev, generator=gen)
+        ql, qr = (torch.linalg.qr(torch.randn(s, s, device=dev, generator=gen)).Q for s in (m, n))
+        cases: dict[str, tuple[Callable[..., Any], list[torch.Tensor], Any, list[str]]] = {
+            "factor_update_left": (
+                lambda f, x: f.lerp(x @ x.T, 0.05),
+                [ql @ ql.T, g],
+                FACTOR_UPDATE.op,
+                ["factor", "g"],
+            ),
+            "factor_update_right": (
+                lambda f, x: f.lerp(x.T @ x, 0.05),
+                [qr @ qr.T, g],
+                FACTOR_UPDATE.op,
+                ["factor", "g"],
+            ),
+            "two_sided": (
+                lambda x, a, b: torch.tensordot(torch.tensordot(x, a, dims=[[0], [0]]), b, dims=[[0], [0]]),
+                [g, ql, qr],
+                TWO_SIDED.op,
+                ["x", "left", "right"],
+            ),
+        }
+        for case, (fn, args, op, fields) in cases.items():
+            key = f"{case} {m}x{n}"
+            try:
+                node = _kernel_node(fn, args, op)
+                emitter = FACTOR_UPDATE.lowering("triton") if op is FACTOR_UPDATE.op else TWO_SIDED.lowering("triton")
+                text, scalars = call_group.standalone_text(emitter, node, fields, device_arch(dev))
+                loaded, _ = module.load(text, ctx.cache_root / "sf-kernels")
+                res = torch.empty(node.meta["val"].shape, device=dev)
+                svals = [torch.tensor(float(s), device=dev) for s in scalars]
+                want = fn(*args)
+                got = loaded.run(*args, res, *svals, upcast=False)
+                err = float((got - want).abs().max() / want.abs().max())
+                run_triton = functools.partial(loaded.run, *args, res, *svals, upcast=False)
+                t_tri = min(timed(ctx, run_triton)[0] for _ in range(5))
+                t_torch = min(timed(ctx, functools.partial(fn, *args))[0] for _ in range(5))
+                results[key] = {"rel_err": err, "triton_s": t_tri, "torch_s": t_torch}
+                ok = ctx.check(f"shampoo_family kernels: {key} within {SF_KERNEL_TOL:g}", err <= SF_KERNEL_TOL)
+                print(
+                    f"    {key:<28} err {err:.1e} {'ok' if ok else 'FAIL'}  triton {t_tri * 1e3:.3f} ms  "
+                    f"torch {t_torch * 1e3:.3f} ms",
+                    flush=True,
+                )
+            except Exception as exc:  # noqa: BLE001
+                results[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+                ctx.check(f"shampoo_family kernels: {key} ran", False)
+                print(f"    {key}: ERROR {results[key]['error']}", flush=True)
+    ctx.save()
 
 
 def _shampoo_family() -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
@@ -91,6 +174,8 @@ def section(
     p0, *grads = make(ctx, shapes, seed=30, count=1 + SF_CHECK_STEPS)
     grads = [[g * 0.05 for g in gs] for gs in grads]
     out.update(shapes=shapes, check_steps=SF_CHECK_STEPS, rel_tol=SF_REL_TOL)
+    if ctx.cuda:  # the interpreter would take minutes at these shapes; tests/test_factor_triton.py covers CPU
+        _kernel_check(ctx, out, shapes, timed)
     for name, build in _shampoo_family().items():
         limit = ctx.left() - 5
         if limit < 30:

@@ -1,7 +1,8 @@
 # ruff: noqa: E501
 """Issue 12: the Shampoo family's steady-state graphs after the default pipeline. Update with EXPECTTEST_ACCEPT=1.
 
-Each optimizer gets two tiny params, one wide (4, 6) and one tall (6, 4), takes its first
+Shampoo is shown with both root methods (eigh, and the coupled Newton iteration on its
+refresh step). Each optimizer gets two tiny params, one wide (4, 6) and one tall (6, 4), takes its first
 step eagerly (that step creates the state; SOAP's also takes eigh, whatever ``use_eigh``
 says), and the next step is captured: the graph a compiled optimizer compiles in steady
 state. It then runs through ``default_pipeline`` for a fixed target (``AVX2_LIKE``; also
@@ -113,6 +114,11 @@ def _shampoo(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
     return Shampoo(ps, lr=0.01, precondition_frequency=2)
 
 
+def _shampoo_newton(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    # The coupled Newton root (3 iterations: short enough to read, long enough to count).
+    return Shampoo(ps, lr=0.01, precondition_frequency=2, root_method="newton", newton_iterations=3)
+
+
 class TestShampooFamilyGraphs(TestCase):
     def test_soap_qr_steady(self) -> None:
         self.assertExpectedInline(_summary(_soap_qr, AVX2_LIKE), """\
@@ -121,33 +127,49 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 4: mm: X X^T product outside any recognised Newton-Schulz chain ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: changed: fused 4 eigenbasis refresh(es)
+  fuse-factor-update: changed: fused 4 factor update(s)
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: changed: fused 8 two-sided product(s)
   batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (12 of 88 ops):
-  t12: fp32[4, 4] = aten.mm(t2, s0_0_Q_L)  # fuse-eigenbasis
-  t13: i64[4] = hocompile.rayleigh_order(t12, s0_0_Q_L, descending)  # fuse-eigenbasis
-  t15: fp32[6, 6] = aten.mm(t5, s0_0_Q_R)  # fuse-eigenbasis
-  t16: i64[6] = hocompile.rayleigh_order(t15, s0_0_Q_R, descending)  # fuse-eigenbasis
-  t18: fp32[4, 4] = hocompile.power_qr(t12, columns=t13, householder)  # fuse-eigenbasis
-  t19: fp32[6, 6] = hocompile.power_qr(t15, columns=t16, householder)  # fuse-eigenbasis
-  t56: fp32[6, 6] = aten.mm(t46, s0_1_Q_L)  # fuse-eigenbasis
-  t57: i64[6] = hocompile.rayleigh_order(t56, s0_1_Q_L, descending)  # fuse-eigenbasis
-  t59: fp32[4, 4] = aten.mm(t49, s0_1_Q_R)  # fuse-eigenbasis
-  t60: i64[4] = hocompile.rayleigh_order(t59, s0_1_Q_R, descending)  # fuse-eigenbasis
-  t62: fp32[6, 6] = hocompile.power_qr(t56, columns=t57, householder)  # fuse-eigenbasis
-  t63: fp32[4, 4] = hocompile.power_qr(t59, columns=t60, householder)  # fuse-eigenbasis
+made by passes (24 of 48 ops):
+  t0: fp32[4, 4] = hocompile.factor_update(s0_0_L, g0_0 @ g0_0^T, lerp, weight=h0)  # fuse-factor-update
+  t1: fp32[6, 6] = hocompile.factor_update(s0_0_R, g0_0^T @ g0_0, lerp, weight=h0)  # fuse-factor-update
+  t2: fp32[4, 6] = hocompile.two_sided(s0_0_Q_L @ s0_0_exp_avg @ s0_0_Q_R^T, tensordot)  # fuse-two-sided
+  t3: fp32[4, 4] = aten.mm(t0, s0_0_Q_L)  # fuse-eigenbasis
+  t4: i64[4] = hocompile.rayleigh_order(t3, s0_0_Q_L, descending)  # fuse-eigenbasis
+  t6: fp32[6, 6] = aten.mm(t1, s0_0_Q_R)  # fuse-eigenbasis
+  t7: i64[6] = hocompile.rayleigh_order(t6, s0_0_Q_R, descending)  # fuse-eigenbasis
+  t9: fp32[4, 4] = hocompile.power_qr(t3, columns=t4, householder)  # fuse-eigenbasis
+  t10: fp32[6, 6] = hocompile.power_qr(t6, columns=t7, householder)  # fuse-eigenbasis
+  t11: fp32[4, 6] = hocompile.two_sided(t9^T @ t2 @ t10, tensordot)  # fuse-two-sided
+  t13: fp32[4, 6] = hocompile.two_sided(t9^T @ g0_0 @ t10, tensordot)  # fuse-two-sided
+  t22: fp32[4, 6] = hocompile.two_sided(t9 @ t21 @ t10^T, tensordot)  # fuse-two-sided
+  t24: fp32[6, 6] = hocompile.factor_update(s0_1_L, g0_1 @ g0_1^T, lerp, weight=h8)  # fuse-factor-update
+  t25: fp32[4, 4] = hocompile.factor_update(s0_1_R, g0_1^T @ g0_1, lerp, weight=h8)  # fuse-factor-update
+  t26: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
+  t27: fp32[6, 6] = aten.mm(t24, s0_1_Q_L)  # fuse-eigenbasis
+  t28: i64[6] = hocompile.rayleigh_order(t27, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t30: fp32[4, 4] = aten.mm(t25, s0_1_Q_R)  # fuse-eigenbasis
+  t31: i64[4] = hocompile.rayleigh_order(t30, s0_1_Q_R, descending)  # fuse-eigenbasis
+  t33: fp32[6, 6] = hocompile.power_qr(t27, columns=t28, householder)  # fuse-eigenbasis
+  t34: fp32[4, 4] = hocompile.power_qr(t30, columns=t31, householder)  # fuse-eigenbasis
+  t35: fp32[6, 4] = hocompile.two_sided(t33^T @ t26 @ t34, tensordot)  # fuse-two-sided
+  t37: fp32[6, 4] = hocompile.two_sided(t33^T @ g0_1 @ t34, tensordot)  # fuse-two-sided
+  t46: fp32[6, 4] = hocompile.two_sided(t33 @ t45 @ t34^T, tensordot)  # fuse-two-sided
 op counts:
   aten.add.Tensor x6
   aten.div.Tensor x6
   aten.index_select x4
-  aten.lerp.Scalar x8
-  aten.mm x24
-  aten.permute x28
+  aten.lerp.Scalar x4
+  aten.mm x4
   aten.pow.Tensor_Scalar x2
   aten.sqrt x2
+  hocompile.factor_update x4
   hocompile.power_qr x4
   hocompile.rayleigh_order x4
+  hocompile.two_sided x8
 """)
 
     def test_soap_qr_steady_batched(self) -> None:
@@ -157,44 +179,60 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 4: mm: X X^T product outside any recognised Newton-Schulz chain ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: changed: fused 4 eigenbasis refresh(es)
+  fuse-factor-update: changed: fused 4 factor update(s)
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: changed: fused 8 two-sided product(s)
   batch-by-shape: changed: 4 ops in 2 batched op(s)
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (20 of 96 ops):
-  t12: fp32[4, 4] = aten.mm(t2, s0_0_Q_L)  # fuse-eigenbasis
-  t13: i64[4] = hocompile.rayleigh_order(t12, s0_0_Q_L, descending)  # fuse-eigenbasis
-  t15: fp32[6, 6] = aten.mm(t5, s0_0_Q_R)  # fuse-eigenbasis
-  t16: i64[6] = hocompile.rayleigh_order(t15, s0_0_Q_R, descending)  # fuse-eigenbasis
-  t22: fp32[4, 4] = aten.mm(t21, s0_1_Q_R)  # fuse-eigenbasis
-  t23: fp32[2, 4, 4] = aten.stack([t12, t22])  # batch-by-shape
-  t24: i64[4] = hocompile.rayleigh_order(t22, s0_1_Q_R, descending)  # fuse-eigenbasis
-  t25: i64[2, 4] = aten.stack([t13, t24])  # batch-by-shape
-  t26: fp32[2, 4, 4] = hocompile.power_qr(t23, columns=t25, householder)  # batch-by-shape
-  t27: (fp32[4, 4], fp32[4, 4]) = aten.unbind.int(t26)  # batch-by-shape
-  t28: fp32[4, 4] = getitem(t27, 0)  # batch-by-shape
-  t34: fp32[6, 6] = aten.mm(t33, s0_1_Q_L)  # fuse-eigenbasis
-  t35: fp32[2, 6, 6] = aten.stack([t15, t34])  # batch-by-shape
-  t36: i64[6] = hocompile.rayleigh_order(t34, s0_1_Q_L, descending)  # fuse-eigenbasis
-  t37: i64[2, 6] = aten.stack([t16, t36])  # batch-by-shape
-  t38: fp32[2, 6, 6] = hocompile.power_qr(t35, columns=t37, householder)  # batch-by-shape
-  t39: (fp32[6, 6], fp32[6, 6]) = aten.unbind.int(t38)  # batch-by-shape
-  t40: fp32[6, 6] = getitem(t39, 0)  # batch-by-shape
-  t71: fp32[6, 6] = getitem(t39, 1)  # batch-by-shape
-  t74: fp32[4, 4] = getitem(t27, 1)  # batch-by-shape
+made by passes (32 of 56 ops):
+  t0: fp32[4, 4] = hocompile.factor_update(s0_0_L, g0_0 @ g0_0^T, lerp, weight=h0)  # fuse-factor-update
+  t1: fp32[6, 6] = hocompile.factor_update(s0_0_R, g0_0^T @ g0_0, lerp, weight=h0)  # fuse-factor-update
+  t2: fp32[4, 6] = hocompile.two_sided(s0_0_Q_L @ s0_0_exp_avg @ s0_0_Q_R^T, tensordot)  # fuse-two-sided
+  t3: fp32[4, 4] = aten.mm(t0, s0_0_Q_L)  # fuse-eigenbasis
+  t4: i64[4] = hocompile.rayleigh_order(t3, s0_0_Q_L, descending)  # fuse-eigenbasis
+  t6: fp32[6, 6] = aten.mm(t1, s0_0_Q_R)  # fuse-eigenbasis
+  t7: i64[6] = hocompile.rayleigh_order(t6, s0_0_Q_R, descending)  # fuse-eigenbasis
+  t9: fp32[4, 4] = hocompile.factor_update(s0_1_R, g0_1^T @ g0_1, lerp, weight=h8)  # fuse-factor-update
+  t10: fp32[4, 4] = aten.mm(t9, s0_1_Q_R)  # fuse-eigenbasis
+  t11: fp32[2, 4, 4] = aten.stack([t3, t10])  # batch-by-shape
+  t12: i64[4] = hocompile.rayleigh_order(t10, s0_1_Q_R, descending)  # fuse-eigenbasis
+  t13: i64[2, 4] = aten.stack([t4, t12])  # batch-by-shape
+  t14: fp32[2, 4, 4] = hocompile.power_qr(t11, columns=t13, householder)  # batch-by-shape
+  t15: (fp32[4, 4], fp32[4, 4]) = aten.unbind.int(t14)  # batch-by-shape
+  t16: fp32[4, 4] = getitem(t15, 0)  # batch-by-shape
+  t17: fp32[6, 6] = hocompile.factor_update(s0_1_L, g0_1 @ g0_1^T, lerp, weight=h8)  # fuse-factor-update
+  t18: fp32[6, 6] = aten.mm(t17, s0_1_Q_L)  # fuse-eigenbasis
+  t19: fp32[2, 6, 6] = aten.stack([t6, t18])  # batch-by-shape
+  t20: i64[6] = hocompile.rayleigh_order(t18, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t21: i64[2, 6] = aten.stack([t7, t20])  # batch-by-shape
+  t22: fp32[2, 6, 6] = hocompile.power_qr(t19, columns=t21, householder)  # batch-by-shape
+  t23: (fp32[6, 6], fp32[6, 6]) = aten.unbind.int(t22)  # batch-by-shape
+  t24: fp32[6, 6] = getitem(t23, 0)  # batch-by-shape
+  t25: fp32[4, 6] = hocompile.two_sided(t16^T @ t2 @ t24, tensordot)  # fuse-two-sided
+  t27: fp32[4, 6] = hocompile.two_sided(t16^T @ g0_0 @ t24, tensordot)  # fuse-two-sided
+  t36: fp32[4, 6] = hocompile.two_sided(t16 @ t35 @ t24^T, tensordot)  # fuse-two-sided
+  t38: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
+  t41: fp32[6, 6] = getitem(t23, 1)  # batch-by-shape
+  t42: fp32[4, 4] = getitem(t15, 1)  # batch-by-shape
+  t43: fp32[6, 4] = hocompile.two_sided(t41^T @ t38 @ t42, tensordot)  # fuse-two-sided
+  t45: fp32[6, 4] = hocompile.two_sided(t41^T @ g0_1 @ t42, tensordot)  # fuse-two-sided
+  t54: fp32[6, 4] = hocompile.two_sided(t41 @ t53 @ t42^T, tensordot)  # fuse-two-sided
 op counts:
   aten.add.Tensor x6
   aten.div.Tensor x6
   aten.index_select x4
-  aten.lerp.Scalar x8
-  aten.mm x24
-  aten.permute x28
+  aten.lerp.Scalar x4
+  aten.mm x4
   aten.pow.Tensor_Scalar x2
   aten.sqrt x2
   aten.stack x4
   aten.unbind.int x2
   getitem x4
+  hocompile.factor_update x4
   hocompile.power_qr x2
   hocompile.rayleigh_order x4
+  hocompile.two_sided x8
 """)
 
     def test_rekls_steady(self) -> None:
@@ -204,10 +242,21 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
-  batch-by-shape: unchanged: no op with a batch rule to batch
+  fuse-factor-update: unchanged: no Gram lerp/addmm of a Kronecker factor found; declined 4: lerp: the product is not the Gram of one matrix (G G^T or G^T G) (REKLS's KL-Shampoo G C G^T is not covered) ...
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: changed: fused 8 two-sided product(s); declined 4: mm_3: X mm_1 is itself a product: a longer chain, no projection ...
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (0 of 168 ops):
+made by passes (8 of 136 ops):
+  t32: fp32[4, 6] = hocompile.two_sided(s0_0_Q_L @ s0_0_exp_avg @ s0_0_Q_R^T, tensordot)  # fuse-two-sided
+  t55: fp32[4, 6] = hocompile.two_sided(t51^T @ t32 @ t54, tensordot)  # fuse-two-sided
+  t57: fp32[4, 6] = hocompile.two_sided(t51^T @ g0_0 @ t54, tensordot)  # fuse-two-sided
+  t66: fp32[4, 6] = hocompile.two_sided(t51 @ t65 @ t54^T, tensordot)  # fuse-two-sided
+  t100: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
+  t123: fp32[6, 4] = hocompile.two_sided(t119^T @ t100 @ t122, tensordot)  # fuse-two-sided
+  t125: fp32[6, 4] = hocompile.two_sided(t119^T @ g0_1 @ t122, tensordot)  # fuse-two-sided
+  t134: fp32[6, 4] = hocompile.two_sided(t119 @ t133 @ t122^T, tensordot)  # fuse-two-sided
 op counts:
   aten._linalg_eigh x4
   aten.add.Tensor x6
@@ -216,15 +265,16 @@ op counts:
   aten.flip x4
   aten.index_select x4
   aten.lerp.Scalar x8
-  aten.mm x36
+  aten.mm x20
   aten.mul.Tensor x16
-  aten.permute x48
+  aten.permute x24
   aten.pow.Tensor_Scalar x6
   aten.sort x4
   aten.sqrt x2
   aten.sum.dim_IntList x8
   aten.unsqueeze x4
   getitem x8
+  hocompile.two_sided x8
 """)
 
     def test_mop_steady(self) -> None:
@@ -234,6 +284,9 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found
   fuse-polar: changed: fused 2 polar factor(s) (svd)
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  fuse-factor-update: unchanged: no Gram lerp/addmm of a Kronecker factor found
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: unchanged: no A X B chain of two products found
   batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
@@ -268,6 +321,9 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found
   fuse-polar: changed: fused 2 polar factor(s) (svd)
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  fuse-factor-update: unchanged: no Gram lerp/addmm of a Kronecker factor found
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: unchanged: no A X B chain of two products found
   batch-by-shape: changed: 2 ops in 1 batched op(s)
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
@@ -307,6 +363,9 @@ passes:
   fuse-newton-schulz: changed: fused 2 Newton-Schulz chain(s)
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  fuse-factor-update: unchanged: no Gram lerp/addmm of a Kronecker factor found
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: unchanged: no A X B chain of two products found
   batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: changed: standard/fp32 x2 on test-cpu (GEMM GFLOP/s: bf16 1.0, fp16 1.0, fp32 100.0; stacks run as loop of mm)
   choose-precision: unchanged: no op planned
@@ -347,6 +406,9 @@ passes:
   fuse-newton-schulz: changed: fused 2 Newton-Schulz chain(s)
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  fuse-factor-update: unchanged: no Gram lerp/addmm of a Kronecker factor found
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: unchanged: no A X B chain of two products found
   batch-by-shape: changed: 2 ops in 1 batched op(s)
   choose-algorithm: changed: standard/fp32 x1 on test-gpu (GEMM GFLOP/s: bf16 400.0, fp16 400.0, fp32 100.0; stacks run as bmm)
   choose-precision: unchanged: no op planned
@@ -392,21 +454,29 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_3: the norm is taken of mm_1, not of the matrix linalg_vector_norm it divides ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
-  batch-by-shape: unchanged: no op with a batch rule to batch
+  fuse-factor-update: changed: fused 4 factor update(s)
+  fuse-inverse-root: unchanged: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: changed: fused 2 two-sided product(s)
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (0 of 40 ops):
+made by passes (6 of 34 ops):
+  t8: fp32[4, 4] = hocompile.factor_update(s0_0_left_factor_0, g0_0 @ g0_0^T, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t9: fp32[6, 6] = hocompile.factor_update(s0_0_right_factor_0, g0_0^T @ g0_0, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t10: fp32[4, 6] = hocompile.two_sided(s0_0_left_root_0 @ t1 @ s0_0_right_root_0, left_first)  # fuse-two-sided
+  t25: fp32[6, 6] = hocompile.factor_update(s0_1_left_factor_0, g0_1 @ g0_1^T, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t26: fp32[4, 4] = hocompile.factor_update(s0_1_right_factor_0, g0_1^T @ g0_1, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t27: fp32[6, 4] = hocompile.two_sided(s0_1_left_root_0 @ t18 @ s0_1_right_root_0, left_first)  # fuse-two-sided
 op counts:
   aten.add.Tensor x6
   aten.addcmul x2
-  aten.addmm x4
   aten.div.Tensor x8
   aten.lerp.Scalar x2
   aten.linalg_vector_norm x4
-  aten.mm x4
   aten.mul.Tensor x4
-  aten.permute x4
   aten.sqrt x2
+  hocompile.factor_update x4
+  hocompile.two_sided x2
 """)
 
     def test_shampoo_refresh_step(self) -> None:
@@ -416,29 +486,79 @@ passes:
   fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_5: the norm is taken of mm_3, not of the matrix linalg_vector_norm it divides ...
   fuse-polar: unchanged: no svd -> U @ Vh found
   fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
-  batch-by-shape: unchanged: no op with a batch rule to batch
+  fuse-factor-update: changed: fused 4 factor update(s)
+  fuse-inverse-root: changed: fused 4 inverse root(s)
+  fuse-two-sided: changed: fused 2 two-sided product(s)
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (0 of 108 ops):
+made by passes (10 of 66 ops):
+  t8: fp32[4, 4] = hocompile.factor_update(s0_0_left_factor_0, g0_0 @ g0_0^T, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t10: fp32[4, 4] = hocompile.inverse_root(t9, -1/4, eps=h6, eigh)  # fuse-inverse-root
+  t17: fp32[6, 6] = hocompile.factor_update(s0_0_right_factor_0, g0_0^T @ g0_0, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t19: fp32[6, 6] = hocompile.inverse_root(t18, -1/4, eps=h6, eigh)  # fuse-inverse-root
+  t26: fp32[4, 6] = hocompile.two_sided(t16 @ t1 @ t25, left_first)  # fuse-two-sided
+  t41: fp32[6, 6] = hocompile.factor_update(s0_1_left_factor_0, g0_1 @ g0_1^T, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t43: fp32[6, 6] = hocompile.inverse_root(t42, -1/4, eps=h6, eigh)  # fuse-inverse-root
+  t50: fp32[4, 4] = hocompile.factor_update(s0_1_right_factor_0, g0_1^T @ g0_1, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t52: fp32[4, 4] = hocompile.inverse_root(t51, -1/4, eps=h6, eigh)  # fuse-inverse-root
+  t59: fp32[6, 4] = hocompile.two_sided(t49 @ t34 @ t58, left_first)  # fuse-two-sided
 op counts:
-  aten._linalg_eigh x4
   aten.abs x4
-  aten.add.Tensor x10
+  aten.add.Tensor x6
   aten.addcmul x2
-  aten.addmm x4
   aten.all x4
-  aten.clamp_min x4
   aten.div.Tensor x12
   aten.eq.Tensor x4
   aten.lerp.Scalar x2
   aten.linalg_vector_norm x4
-  aten.mm x8
-  aten.mul.Tensor x12
+  aten.mul.Tensor x8
   aten.ne.Scalar x4
-  aten.permute x8
-  aten.pow.Tensor_Scalar x4
   aten.sqrt x2
-  aten.unsqueeze x4
   aten.where.self x4
-  getitem x8
+  hocompile.factor_update x4
+  hocompile.inverse_root x4
+  hocompile.two_sided x2
+""")
+
+    def test_shampoo_newton_refresh_step(self) -> None:
+        self.assertExpectedInline(_summary(_shampoo_newton, AVX2_LIKE, eager_steps=2), """\
+passes:
+  canonicalize: changed: removed 14 identity/copy ops and 0 dead nodes
+  fuse-newton-schulz: unchanged: no Newton-Schulz chain found; declined 2: div_5: the norm is taken of mm_25, not of the matrix linalg_vector_norm_2 it divides ...
+  fuse-polar: unchanged: no svd -> U @ Vh found
+  fuse-eigenbasis: unchanged: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  fuse-factor-update: changed: fused 4 factor update(s)
+  fuse-inverse-root: changed: fused 4 inverse root(s)
+  fuse-two-sided: changed: fused 2 two-sided product(s)
+  batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
+  choose-algorithm: unchanged: no Newton-Schulz op to plan
+  choose-precision: unchanged: no Newton-Schulz op to plan
+made by passes (10 of 66 ops):
+  t8: fp32[4, 4] = hocompile.factor_update(s0_0_left_factor_0, g0_0 @ g0_0^T, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t10: fp32[4, 4] = hocompile.inverse_root(t9, -1/4, eps=h6, newton x3)  # fuse-inverse-root
+  t17: fp32[6, 6] = hocompile.factor_update(s0_0_right_factor_0, g0_0^T @ g0_0, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t19: fp32[6, 6] = hocompile.inverse_root(t18, -1/4, eps=h6, newton x3)  # fuse-inverse-root
+  t26: fp32[4, 6] = hocompile.two_sided(t16 @ t1 @ t25, left_first)  # fuse-two-sided
+  t41: fp32[6, 6] = hocompile.factor_update(s0_1_left_factor_0, g0_1 @ g0_1^T, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t43: fp32[6, 6] = hocompile.inverse_root(t42, -1/4, eps=h6, newton x3)  # fuse-inverse-root
+  t50: fp32[4, 4] = hocompile.factor_update(s0_1_right_factor_0, g0_1^T @ g0_1, addmm, weight=h3, beta=h2)  # fuse-factor-update
+  t52: fp32[4, 4] = hocompile.inverse_root(t51, -1/4, eps=h6, newton x3)  # fuse-inverse-root
+  t59: fp32[6, 4] = hocompile.two_sided(t49 @ t34 @ t58, left_first)  # fuse-two-sided
+op counts:
+  aten.abs x4
+  aten.add.Tensor x6
+  aten.addcmul x2
+  aten.all x4
+  aten.div.Tensor x12
+  aten.eq.Tensor x4
+  aten.lerp.Scalar x2
+  aten.linalg_vector_norm x4
+  aten.mul.Tensor x8
+  aten.ne.Scalar x4
+  aten.sqrt x2
+  aten.where.self x4
+  hocompile.factor_update x4
+  hocompile.inverse_root x4
+  hocompile.two_sided x2
 """)

@@ -30,9 +30,12 @@ def test_dump_dir_has_graph_before_and_after_each_pass(tmp_path, monkeypatch, ca
         "02-fuse-newton-schulz.after.txt", "02-fuse-newton-schulz.before.txt",
         "03-fuse-polar.after.txt", "03-fuse-polar.before.txt",
         "04-fuse-eigenbasis.after.txt", "04-fuse-eigenbasis.before.txt",
-        "05-batch-by-shape.after.txt", "05-batch-by-shape.before.txt",
-        "06-choose-algorithm.after.txt", "06-choose-algorithm.before.txt",
-        "07-choose-precision.after.txt", "07-choose-precision.before.txt",
+        "05-fuse-factor-update.after.txt", "05-fuse-factor-update.before.txt",
+        "06-fuse-inverse-root.after.txt", "06-fuse-inverse-root.before.txt",
+        "07-fuse-two-sided.after.txt", "07-fuse-two-sided.before.txt",
+        "08-batch-by-shape.after.txt", "08-batch-by-shape.before.txt",
+        "09-choose-algorithm.after.txt", "09-choose-algorithm.before.txt",
+        "10-choose-precision.after.txt", "10-choose-precision.before.txt",
         "lowered.py",
     ]
     before = (first / "01-canonicalize.before.txt").read_text()

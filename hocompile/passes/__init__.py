@@ -15,8 +15,11 @@ from .canonicalize import Canonicalize
 from .choose_algorithm import ChooseAlgorithm
 from .choose_precision import ChoosePrecision
 from .fuse_eigenbasis import FuseEigenbasis
+from .fuse_factor_update import FuseFactorUpdate
+from .fuse_inverse_root import FuseInverseRoot
 from .fuse_newton_schulz import FuseNewtonSchulz
 from .fuse_polar import FusePolar
+from .fuse_two_sided import FuseTwoSided
 from .runner import PassRecord, run_pipeline
 
 
@@ -40,6 +43,11 @@ def default_pipeline(
         FuseNewtonSchulz(),
         FusePolar(),
         FuseEigenbasis(),
+        # after fuse-eigenbasis, which proves L symmetric from the lerp-of-a-Gram this one replaces;
+        # the inverse root before the two-sided chains, which its Newton products would look like
+        FuseFactorUpdate(),
+        FuseInverseRoot(),
+        FuseTwoSided(),
         BatchByShape(
             target=target,
             force=force_batch,
@@ -64,8 +72,11 @@ __all__ = [
     "ChooseAlgorithm",
     "ChoosePrecision",
     "FuseEigenbasis",
+    "FuseFactorUpdate",
+    "FuseInverseRoot",
     "FuseNewtonSchulz",
     "FusePolar",
+    "FuseTwoSided",
     "Pass",
     "PassRecord",
     "PassResult",

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ...targets import device_arch
-from . import ns_group  # noqa: F401  (registers Newton–Schulz's Triton emitter with its op family)
+from . import factor_update_group, ns_group, two_sided_group  # noqa: F401  (each registers its family's emitter)
 from .autotune import autotune as tune
 from .code import KernelSource
 from .module import assemble, load
