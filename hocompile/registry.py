@@ -240,6 +240,9 @@ class OpFamily:
     cost: Callable[[Any], Cost]
     batch: BatchRule | None = None
     lowerings: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Raises torch.linalg.LinAlgError on some data (an SVD, eigh or Cholesky inside): the
+    # lowering writes nothing back before it, so the runtime can run that step eagerly.
+    fallible: bool = False
 
     @property
     def op(self) -> Any:

@@ -184,6 +184,7 @@ POLAR = register(
     OpFamily(
         spec=PolarSpec,
         title="polar factor (U Vᵀ of the SVD)",
+        fallible=True,  # eigh/SVD may not converge: the write fence waits for it
         reference=_reference,
         describe=_describe,
         cost=_cost,

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..registry import family_of
+
 aten = torch.ops.aten
 
 # Ops that raise on their input's values (torch.linalg.LinAlgError), not only on shapes.
@@ -41,12 +43,15 @@ FALLIBLE: frozenset[str] = frozenset(
         "aten::linalg_eig",
         "aten::linalg_eigvalsh",
         "aten::_linalg_check_errors",
-        "hocompile::polar",  # an SVD (or the opt-in Gram eigh) per matrix
     }
 )
 
 
 def is_fallible(node: fx.Node) -> bool:
+    """An aten op in FALLIBLE, or a registered op whose family says it may raise on its data."""
+    family = family_of(node)
+    if family is not None:
+        return family.fallible
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.name in FALLIBLE
 

@@ -77,6 +77,7 @@ class BatchByShape(Pass):
         # Keyed by op too: two families never share a stack, whatever their keys.
         groups: dict[tuple[Any, Hashable], list[tuple[fx.Node, Any]]] = {}
         rules: dict[Any, BatchRule] = {}
+        families: dict[Any, Any] = {}
         declined: list[str] = []
         for node, family in calls:
             assert family.batch is not None
@@ -87,6 +88,7 @@ class BatchByShape(Pass):
                 continue
             groups.setdefault((family.op, key), []).append((node, spec))
             rules[family.op] = family.batch
+            families[family.op] = family
         limit = self.max_stack_bytes if self.max_stack_bytes is not None else self.target.stack_bytes
         made = 0
         for (op, _), members in groups.items():
@@ -96,7 +98,12 @@ class BatchByShape(Pass):
             per_call = max(_stack_bytes(rule, node, spec) for node, spec in members)
             cap = max(1, min(self.max_batch, limit // max(1, per_call)))
             for start in range(0, len(members), cap):
-                chunk = members[start : start + cap]
+                # Specs are re-read now: an earlier group's rewrite may have replaced a
+                # member's argument (SOAP's projections read power_qr's Q), and a spec
+                # read before it would still name the erased node.
+                chunk = [(node, families[op].spec_of(node)) for node, _ in members[start : start + cap]]
+                chunk, dependent = _independent(chunk)
+                declined += [self.decline(f"{n.name}: reads another call of its batch") for n in dependent]
                 if len(chunk) > 1:
                     _batch(gm, rule, chunk)
                     made += 1
@@ -107,6 +114,29 @@ class BatchByShape(Pass):
         gm.recompile()
         batched = sum(len(v) for v in groups.values() if len(v) > 1)
         return PassResult(gm, True, f"{batched} ops in {made} batched op(s)", declined)
+
+
+def _independent(chunk: list[tuple[fx.Node, Any]]) -> tuple[list[tuple[fx.Node, Any]], list[fx.Node]]:
+    """The members no other kept member depends on; a stack of dependent calls is a cycle."""
+    kept: list[tuple[fx.Node, Any]] = []
+    dropped: list[fx.Node] = []
+    members = {node for node, _ in chunk}
+    for node, spec in chunk:
+        seen: set[fx.Node] = set()
+        stack = list(node.all_input_nodes)
+        hit = False
+        while stack and not hit:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            hit = n in members
+            stack += n.all_input_nodes
+        if hit:
+            dropped.append(node)
+        else:
+            kept.append((node, spec))
+    return kept, dropped
 
 
 def _threads_pay(node: fx.Node, family: Any) -> bool:
