@@ -12,16 +12,20 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.graph import PythonCode
 
 from ..diskcache import DiskCache, load_generated
 from ..graph import print_graph
+from .fused_updates import fuse_updates
+from .reinplace import Reinplaced, reinplace, reuse_temporaries
 from .writeback import schedule_writebacks
 
-LOWERING_VERSION = "aten-2"
+LOWERING_VERSION = "aten-3"  # 3: re-inplaced write-backs
 
 
 @dataclass
@@ -43,6 +47,8 @@ class LoweredStep:
     launches: int = 0  # kernel launches per step (triton backend)
     units: list[str] = field(default_factory=list)  # what each launch is, for explain()
     graphed: bool = False  # replayed from a CUDA graph (runtime/step_graph.py)
+    reinplaced: list[Reinplaced] = field(default_factory=list)  # write-backs computed in place (aten backend)
+    fused: list[str] = field(default_factory=list)  # "adamw:p0_0": chains run by torch's fused kernels
 
 
 def cache_key(gm: fx.GraphModule, pipeline_identity: str) -> str:
@@ -63,11 +69,48 @@ def _constants_digest(gm: fx.GraphModule) -> str:
 
 
 def lower_to_aten(
-    gm: fx.GraphModule, key: str, cache: DiskCache, header: str, copy_into: list[int | None]
+    gm: fx.GraphModule,
+    key: str,
+    cache: DiskCache,
+    header: str,
+    copy_into: list[int | None],
+    fused_updates: bool = False,
 ) -> LoweredStep:
-    """Generate, cache and load the step module. Rewrites ``gm`` (write-backs)."""
+    """Generate, cache and load the step module. Rewrites ``gm`` (write-backs).
+
+    Two modules come from the graph: the plain one (functional ops, then
+    ``copy_`` write-backs) and, where reinplace.py finds write-backs it can
+    compute in place, the re-inplaced one. The re-inplaced module runs when
+    every tensor input is contiguous (its bitwise-equality argument needs
+    that, and strides are not guarded); the plain one otherwise. Before
+    that, ``fused_updates`` (opt-in) replaces AdamW / SGD-momentum chains by
+    torch's fused kernels (fused_updates.py: within 1e-6 of eager, not bitwise).
+    """
     kept = schedule_writebacks(gm, copy_into)
-    code = gm.graph.python_code(root_module="self")
+    plain = gm.graph.python_code(root_module="self")
+    graph = fx.Graph(owning_module=gm)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    fused = fuse_updates(graph) if fused_updates else []
+    done = reinplace(graph)
+    reused = reuse_temporaries(graph)
+    if not fused and not done and not reused:
+        module, path, body, from_disk = _load(cache, key, header, plain)
+        return LoweredStep(_runner(module.forward, gm), path, key, from_disk, body, kept)
+    fast, path, body, from_disk = _load(cache, key, header, graph.python_code(root_module="self"))
+    fast_forward, plain_forward = fast.forward, None
+
+    def run(args: list[Any]) -> tuple[torch.Tensor, ...]:
+        nonlocal plain_forward
+        if all(a.is_contiguous() for a in args if isinstance(a, torch.Tensor)):
+            return fast_forward(gm, *args)
+        if plain_forward is None:  # built on first need: most runs never see a strided tensor
+            plain_forward = _load(cache, key, header, plain)[0].forward
+        return plain_forward(gm, *args)
+
+    return LoweredStep(run, path, key, from_disk, body, kept, reinplaced=done, fused=fused)
+
+
+def _load(cache: DiskCache, key: str, header: str, code: PythonCode) -> tuple[ModuleType, Path, str, bool]:
     body = f"{header}\n{code.src}"
     # An entry that differs from ``body`` (corrupt, stale, or code that would
     # not import) is rewritten; the module run is always ``body`` itself.
@@ -76,9 +119,11 @@ def lower_to_aten(
     # so entries never overwrite each other.
     entry_key = hashlib.sha256(f"{key}\n{body}".encode()).hexdigest()
     module, path, from_disk = load_generated(cache, entry_key, body, dict(code.globals))
-    forward = module.forward
+    return module, path, body, from_disk
 
+
+def _runner(forward: Callable[..., tuple[torch.Tensor, ...]], gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     def run(args: list[Any]) -> tuple[torch.Tensor, ...]:
         return forward(gm, *args)
 
-    return LoweredStep(run, path, key, from_disk, body, kept)
+    return run

@@ -161,7 +161,8 @@ def _lower(
     if backend == "triton":
         step.lowered = _lower_triton(step.gm, step.key, header, copy_into, settings, device)
     else:
-        step.lowered = lower_to_aten(step.gm, step.key, DiskCache(settings.cache_dir), header, copy_into)
+        cache = DiskCache(settings.cache_dir)
+        step.lowered = lower_to_aten(step.gm, step.key, cache, header, copy_into, settings.fused_updates)
     step.lower_seconds = time.perf_counter() - start
     if dump_dir is not None:
         (dump_dir / "lowered.py").write_text(step.lowered.source)
