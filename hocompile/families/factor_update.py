@@ -87,6 +87,31 @@ def factor_update(
     return factor_update_eager(factor, g, side, form, weight, beta)
 
 
+# The in-place form, for the aten lowering's re-inplacing (lowering/reinplace.py): eager's own
+# ``L.lerp_(G Gᵀ, w)`` / ``L.addmm_(G, Gᵀ, β, α)``, so the write-back copy of the factor goes
+# away and the values stay eager's bits. Defined with an aliasing schema (``Tensor(a!)`` in
+# and out, as aten's in-place ops), which ``torch.library.custom_op`` cannot express.
+_LIB = torch.library.Library("hocompile", "FRAGMENT")
+_LIB.define(
+    "factor_update_(Tensor(a!) factor, Tensor g, str side, str form, float weight, float beta=1.) -> Tensor(a!)"
+)
+
+
+def _factor_update_inplace(
+    factor: torch.Tensor, g: torch.Tensor, side: str, form: str, weight: float, beta: float = 1.0
+) -> torch.Tensor:
+    _check(factor, g, side, form)
+    a, b = (g, g.mT) if side == "left" else (g.mT, g)
+    if form == "lerp":
+        return factor.lerp_(torch.bmm(a, b) if g.dim() == 3 else torch.mm(a, b), weight)
+    if g.dim() == 3:
+        return factor.baddbmm_(a, b, beta=beta, alpha=weight)
+    return factor.addmm_(a, b, beta=beta, alpha=weight)
+
+
+_LIB.impl("factor_update_", _factor_update_inplace, "CompositeExplicitAutograd")
+
+
 @factor_update.register_fake
 def _factor_update_fake(
     factor: torch.Tensor, g: torch.Tensor, side: str, form: str, weight: float, beta: float = 1.0

@@ -49,10 +49,12 @@ from .writeback import _is_view, is_fallible, readers
 aten = torch.ops.aten
 
 # Non-pointwise ops whose in-place overload accumulates into ``self`` with the
-# same GEMM call as the functional one (beta * self + alpha * a @ b).
-_ACCUMULATE_INTO_SELF = frozenset({"aten::addmm", "aten::baddbmm"})
+# same GEMM call as the functional one (beta * self + alpha * a @ b); registered
+# ops with an in-place form (``hocompile::factor_update_``: eager's lerp_/addmm_).
+_ACCUMULATE_INTO_SELF = frozenset({"aten::addmm", "aten::baddbmm", "hocompile::factor_update"})
 # Non-pointwise ops whose ``out=`` overload runs the functional one's kernel
 # into the given buffer (only used when no argument aliases the destination).
+_REGISTERED_INPLACE = frozenset({"factor_update"})
 _OUT_OK = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"})
 
 
@@ -70,11 +72,19 @@ def _schema_args(op: OpOverload) -> list[tuple[str, str]]:
 
 
 def inplace_overload(op: OpOverload) -> OpOverload | None:
-    """``aten.lerp_.Scalar`` for ``aten.lerp.Scalar``: same arguments, ``self`` written."""
+    """``aten.lerp_.Scalar`` for ``aten.lerp.Scalar``: same arguments, the first one written.
+
+    Registered ops qualify where their family defines a ``name_`` form (factor_update_)."""
     namespace, name = op._schema.name.split("::")
-    if namespace != "aten" or not op._schema.arguments or op._schema.arguments[0].name != "self":
+    if not op._schema.arguments:
         return None
-    overload = getattr(getattr(aten, f"{name}_", None), op._overloadname, None)
+    if namespace == "aten" and op._schema.arguments[0].name == "self":
+        packet = getattr(aten, f"{name}_", None)
+    elif namespace == "hocompile" and name in _REGISTERED_INPLACE:
+        packet = getattr(torch.ops.hocompile, f"{name}_", None)
+    else:
+        return None
+    overload = getattr(packet, op._overloadname, None)
     if not isinstance(overload, OpOverload) or _schema_args(overload) != _schema_args(op):
         return None
     alias = overload._schema.arguments[0].alias_info
