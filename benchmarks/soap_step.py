@@ -57,6 +57,7 @@ SHAPES = {
     "issue12": [(256, 1024), (256, 1024), (1024, 256), (512, 512)],
     # GPT-2 small's 48 matrices (attn c_attn, c_proj; mlp c_fc, c_proj per layer)
     "gpt2": [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12,
+    "gpt2-layer": [(768, 2304), (768, 768), (768, 3072), (3072, 768)],  # one of its 12 identical layers
     "tiny": [(16, 32), (16, 32), (32, 16)],
 }
 VARIANTS = ("eager", "default", "fused", "fused+batched")
