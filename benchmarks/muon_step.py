@@ -15,6 +15,13 @@ sampled every 2 ms. The parent then compares every variant's params with eager's
 after one step and measures each implementation's Newton–Schulz error
 against an fp64 evaluation of the same polynomial on one matrix per shape.
 
+Every report names its machine (CPU model, this CPU's calibrated bf16/fp32 GEMM
+rates) and the load average before and after: timings on the shared 2-core
+hosts move with other processes (run with ``OMP_WAIT_POLICY=PASSIVE``, and
+retry when ``uptime`` shows a load over 1.5). ``--plan-target cpu-avx2``
+also prints the plan hocompile would make for a CPU of the other kind
+(no bf16 units), from that kind's rates.
+
 Variants: eager (torch.optim.Muon), torch.compile (of opt.step), hocompile
 (compile_optimizer(torch.optim.Muon)), emerging (emerging_optimizers Muon with
 Keller Jordan's coefficients, when installed), heavyball (heavyball.Muon, when
@@ -165,8 +172,53 @@ def child(args: argparse.Namespace) -> int:
 
         result["explain"] = hocompile.explain(opt)
         result["counters"] = dict(opt.counters)
+        # capture + passes (measurement included) + lowering of each compile, the steps excluded
+        result["compile_s"] = [e.compile_seconds for es in opt._entries.values() for e in es]
     Path(args.result_out).write_text(json.dumps(result))
     return 0
+
+
+def interleaved(args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
+    """All variants in one process, one step each per round (``--interleave``): a busy neighbour
+    slows every variant alike, so the ratios of the medians hold under load. Memory is each step's
+    RSS growth in this shared process (allocator caches make it a lower bound)."""
+    runs = {}
+    for variant in variants:
+        params, grads = make_tensors(SHAPES[args.shapes], args.seed)
+        step, _ = build(variant, params)
+        runs[variant] = (step, params, grads)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    peaks: dict[str, list[float]] = {v: [] for v in variants}
+    warmups = {v: DEFAULT_CALLS[v][0] for v in variants}
+    for round_ in range(max(warmups.values()) + args.steps):
+        for variant in variants:
+            if round_ < max(warmups.values()) - warmups[variant]:
+                continue  # fewer warm-ups: start later, finish with the others
+            step, params, grads = runs[variant]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            before = RssSampler.now()
+            start = time.perf_counter()
+            with RssSampler() as sampler:
+                step()
+            times[variant].append(time.perf_counter() - start)
+            peaks[variant].append((sampler.peak - before) / 2**20)
+            print(f"  round {round_ + 1} {variant}: {times[variant][-1]:.3f} s", flush=True)
+    results: dict[str, Any] = {}
+    for variant in variants:
+        steady = times[variant][warmups[variant]:] or times[variant][-1:]
+        results[variant] = {
+            "first_call_s": times[variant][0], "warmup_s": times[variant][: warmups[variant]], "steady_s": steady,
+            "median_steady_s": statistics.median(steady), "peak_rss_growth_mb": float("nan"),
+            "step_peak_mb": statistics.median(peaks[variant][warmups[variant]:] or peaks[variant][-1:]),
+        }
+        if variant == "hocompile":
+            import hocompile
+
+            compiled = runs[variant][0].__self__
+            results[variant]["explain"] = hocompile.explain(compiled)
+            results[variant]["compile_s"] = [e.compile_seconds for es in compiled._entries.values() for e in es]
+    return results
 
 
 def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> dict[str, dict[str, float]]:
@@ -175,11 +227,13 @@ def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> 
 
     import hocompile
     from hocompile.newton_schulz import newton_schulz, reference_fp64
-    from hocompile.passes.choose_algorithm import decide
+    from hocompile.passes.choose_algorithm import decide, measured_plan
+    from hocompile.passes.measure_ns import MeasureSession, wall_timer
     from hocompile.settings import Settings
     from hocompile.targets import resolve_target
 
     target = resolve_target("auto", Settings.resolve().cache_dir)
+    session = MeasureSession(target, wall_timer)  # the hocompile child's cached timings: nothing re-measured
     gen = torch.Generator().manual_seed(seed + 1)
     out: dict[str, dict[str, float]] = {}
     for shape in dict.fromkeys(shapes):
@@ -189,12 +243,15 @@ def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> 
         if "eager" in variants or "torch.compile" in variants:
             errs["eager"] = _rel(_zeropower_via_newtonschulz(g, KJ, 5, 1e-7), ref)
         if "hocompile" in variants:
-            plan = decide(min(shape), max(shape), 1, [KJ] * 5, torch.bfloat16, "auto", target)
+            m, n = min(shape), max(shape)
+            plan = decide(m, n, 1, [KJ] * 5, torch.bfloat16, "auto", target)
+            if target.measured and plan.predicted_s >= 2e-3:
+                plan = measured_plan(m, n, 1, [KJ] * 5, torch.bfloat16, "auto", session) or plan
             x = newton_schulz(g, [KJ] * 5, 1e-7, transpose=shape[0] > shape[1], compute_dtype=plan.compute_dtype,
                               algorithm=plan.algorithm, restarts=plan.restarts, matmul=plan.matmul,
-                              out_dtype=torch.bfloat16)
+                              out_dtype=torch.bfloat16, blocks=plan.blocks)
             errs["hocompile"] = _rel(x, ref)
-            errs["hocompile_plan"] = f"{plan.algorithm}/{plan.compute_dtype}"  # type: ignore[assignment]
+            errs["hocompile_plan"] = plan.label()  # type: ignore[assignment]
         out[f"{shape[0]}x{shape[1]}"] = errs
     del hocompile
     return out
@@ -202,6 +259,30 @@ def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and this CPU's calibrated GEMM rates (hocompile's target calibration, cached)."""
+    from hocompile.settings import Settings
+    from hocompile.targets import resolve_target
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown")
+    flags = Path("/proc/cpuinfo").read_text()
+    target = resolve_target("auto", Settings.resolve().cache_dir)
+    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "gemm_gflops": {k: round(v, 1) for k, v in target.gflops.items()}}
+
+
+def plan_for(target: str, shapes: list[tuple[int, int]], seed: int) -> str:
+    """hocompile.plan for these shapes on ``target`` (a CPU of another kind: planned from its rates)."""
+    import hocompile
+
+    params, grads = make_tensors(shapes, seed)
+    opt = torch.optim.Muon(params, **MUON_KW)
+    for p, g in zip(params, grads):
+        p.grad = g
+    return hocompile.plan(opt, target=target)
 
 
 def main() -> int:
@@ -213,6 +294,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-ns-error", action="store_true")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the variants in one process, one step each per round (fair under load)")
+    parser.add_argument("--plan-target", default=None,
+                        help="also print the plan for this target (e.g. cpu-avx2: a CPU without bf16 units)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--params-out", help=argparse.SUPPRESS)
@@ -224,11 +309,16 @@ def main() -> int:
     variants = [v for v in args.variants.split(",") if v]
     shapes = SHAPES[args.shapes]
     out = args.out or Path(f"benchmarks/results/muon_step_{args.shapes}.json")
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; {len(shapes)} matrices ({args.shapes}); "
-          f"variants {variants}", flush=True)
+    load_before = os.getloadavg()
+    host = machine()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs ({host['cpu']}, GEMM GFLOP/s {host['gemm_gflops']}); "
+          f"{len(shapes)} matrices ({args.shapes}); variants {variants}; load average {load_before}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="hocompile-bench-"))
     results: dict[str, Any] = {}
-    for variant in variants:
+    if args.interleave:
+        args.steps = args.steps if args.steps is not None else 5
+        results = interleaved(args, variants)
+    for variant in [] if args.interleave else variants:
         warmup, steps = DEFAULT_CALLS[variant]
         steps = args.steps if args.steps is not None else steps
         cmd = [sys.executable, __file__, "--variant", variant, "--shapes", args.shapes, "--seed", str(args.seed),
@@ -242,7 +332,7 @@ def main() -> int:
             continue
         results[variant] = json.loads((tmp / f"{variant}.json").read_text())
         results[variant]["wall_s"] = time.perf_counter() - start
-    final = {v: torch.load(tmp / f"{v}.pt") for v in results if "error" not in results[v]}
+    final = {v: torch.load(tmp / f"{v}.pt") for v in results if (tmp / f"{v}.pt").exists()}
     eager = results.get("eager", {}).get("median_steady_s")
     compiled = results.get("torch.compile", {}).get("median_steady_s")
     for v, res in results.items():
@@ -254,7 +344,9 @@ def main() -> int:
             res["max_rel_param_diff_vs_eager"] = max(
                 ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(final[v], final["eager"])
             )
+    load_after = os.getloadavg()
     errors = {} if args.no_ns_error else ns_errors(shapes, variants, args.seed)
+    other_plan = plan_for(args.plan_target, shapes, args.seed) if args.plan_target else None
 
     print(f"\n{'variant':<14}{'first call s':>13}{'steady s':>11}{'vs eager':>10}{'vs t.compile':>13}"
           f"{'peak MB':>9}{'step MB':>9}{'d param':>10}")
@@ -270,6 +362,12 @@ def main() -> int:
     for shape, errs in errors.items():
         print(f"NS error vs fp64 {shape}: " + ", ".join(
             f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in errs.items()))
+    if "hocompile" in results and "compile_s" in results["hocompile"]:
+        print("hocompile compile s (capture + passes + measurement + lowering): "
+              + ", ".join(f"{s:.2f}" for s in results["hocompile"]["compile_s"]))
+    print(f"load average before {load_before}, after {load_after}")
+    if other_plan:
+        print(f"\nplan on {args.plan_target}:\n{other_plan}")
     report = {
         "benchmark": "muon_step",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -277,6 +375,9 @@ def main() -> int:
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "machine": host,
+        "load_average": {"before": load_before, "after": load_after},
+        "plan_target": {args.plan_target: other_plan} if other_plan else None,
         "shapes": args.shapes,
         "n_matrices": len(shapes),
         "results": results,

@@ -22,15 +22,21 @@ accumulates in fp32 (fp64 for fp64 inputs) and rounds where eager does.
 
 Symmetric products (``blocks`` > 1): every product known to be symmetric
 (``X Xᵀ``, ``A²``, and in Gram NS all products of polynomials in R) is
-computed on a ``blocks`` × ``blocks`` grid of row blocks, lower-triangle
-blocks only, and mirrored: (k+1)/2k of the dense FLOPs. Each block is the
-same fp32 dot products rounded once, so the rounding model is unchanged.
-Measured on this project's 2-core CPU (fp32 ``X Xᵀ``): 768×3072 1.47×
-faster with 4×4 blocks, 768×768 1.26×, 1024×4096 1.58×.
+computed as ``blocks`` row blocks of its lower triangle (row block i against
+the columns of blocks 0..i: one GEMM per block row, (k+1)/2k of the dense
+FLOPs), each written into one preallocated result, and the upper triangle is
+filled by one mirroring ``where`` at the end. Each element is the same fp32
+dot product rounded once, so the rounding model is unchanged. The earlier
+k×k-block version paid two copies per block (16 ``copy_`` calls per product
+at k = 4: 644 ms of a 3.2 s bf16 step on an AMX CPU, issue 13); block rows
+pay k writes and one mirror. Whether it is faster depends on the CPU and the
+dtype: choose-algorithm measures it (passes/measure_ns.py). Measured here
+(AVX-512-bf16, bf16 ``X Xᵀ``): 768×3072 1.3–1.5× faster with 3–4 row blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -79,6 +85,14 @@ def _general_flops(m: int, n: int, coefficients: Coefficients, algorithm: str, r
     return (rebuilds + 1) * 2 * m * m * n
 
 
+@functools.lru_cache(maxsize=64)
+def _above_blocks(m: int, blocks: int, device: torch.device) -> torch.Tensor:
+    """[m, m] bool: True where row block i meets a column of a later block (not computed)."""
+    edges = torch.tensor([m * i // blocks for i in range(1, blocks)], device=device)
+    block = torch.bucketize(torch.arange(m, device=device), edges, right=True)
+    return block[None, :] > block[:, None]
+
+
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round an fp32 accumulator to ``dtype`` but keep computing in fp32."""
     if dtype in (torch.float32, torch.float64) or t.dtype == dtype:
@@ -123,18 +137,15 @@ class _Arith:
         return self.blocks > 1 and a.shape[-2] >= 2 * self.blocks
 
     def _lower_blocks(self, a: torch.Tensor, block: Callable[[slice, slice], torch.Tensor]) -> torch.Tensor:
+        """Row block i against columns 0..edge(i+1), written into one buffer; the rest mirrored once."""
         m = a.shape[-2]
         edges = [m * i // self.blocks for i in range(self.blocks + 1)]
-        parts = [slice(edges[i], edges[i + 1]) for i in range(self.blocks)]
-        dtype = a.dtype
-        out = torch.empty(*a.shape[:-2], m, m, dtype=dtype, device=a.device)
-        for i, rows in enumerate(parts):
-            for cols in parts[: i + 1]:
-                value = block(rows, cols)
-                out[..., rows, cols] = value
-                if rows != cols:
-                    out[..., cols, rows] = value.mT
-        return out
+        out = torch.empty(*a.shape[:-2], m, m, dtype=a.dtype, device=a.device)
+        for i in range(self.blocks):
+            rows, cols = slice(edges[i], edges[i + 1]), slice(0, edges[i + 1])
+            out[..., rows, cols] = block(rows, cols)
+        # Above the block diagonal nothing was written: take it from the transpose.
+        return torch.where(_above_blocks(m, self.blocks, a.device), out.mT, out)
 
     def addmm(self, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
         """beta*c + alpha*(a@b), one rounding (a GEMM epilogue)."""
@@ -166,6 +177,16 @@ def normalize(x: torch.Tensor, eps: float, eps_mode: str, compute: torch.dtype) 
     return _round(xa / denom, compute)
 
 
+def _normalize_native(xh: torch.Tensor, eps: float, eps_mode: str) -> torch.Tensor:
+    """:func:`normalize` of a half-precision ``xh`` without an fp32 copy of it: the norm
+    accumulates in fp32 and is rounded like eager's, and a half-precision division computes
+    in fp32 and rounds once, so the roundings are normalize()'s (one m×n fp32 temporary and
+    four elementwise passes fewer: memory and time on the native bf16 path)."""
+    norm = torch.linalg.vector_norm(xh, dim=(-2, -1), keepdim=True, dtype=torch.float32).to(xh.dtype)
+    denom = norm.clamp(min=eps) if eps_mode == "clamp" else norm + eps
+    return xh / denom
+
+
 def newton_schulz(
     x: torch.Tensor,
     coefficients: Coefficients,
@@ -188,7 +209,10 @@ def newton_schulz(
     arith = _Arith(compute_dtype, matmul, acc, blocks)
     xt = x.mT if transpose else x
     # Cast first (as eager does), then normalise (see normalize()).
-    X = arith.cast_in(normalize(arith.cast_in(xt).to(acc), eps, eps_mode, compute_dtype))
+    if arith.native:
+        X = _normalize_native(arith.cast_in(xt), eps, eps_mode)
+    else:
+        X = arith.cast_in(normalize(arith.cast_in(xt).to(acc), eps, eps_mode, compute_dtype))
     if algorithm == "standard":
         X = _standard(X, coefficients, arith)
     else:

@@ -25,7 +25,7 @@ import hashlib
 import math
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -54,6 +54,11 @@ class Target:
     # GEMM operand formats a Newton–Schulz schedule may use here (names of
     # hocompile.precision.emulate.FORMATS); empty: the dtypes in ``gflops``.
     formats: tuple[str, ...] = ()
+    # The machine running this process (calibrated here): Newton–Schulz plans
+    # are then chosen by timing the candidates (hocompile/passes/measure_ns.py),
+    # cached in ``cache_dir``; any other target is planned by the rates above.
+    measured: bool = False
+    cache_dir: Path | None = None
 
     def throughput(self, dtype: torch.dtype) -> float:
         """GEMM GFLOP/s in ``dtype``; a dtype without a rate here runs at the fp32 rate."""
@@ -81,6 +86,11 @@ class Target:
             return f"{self.name} (GEMM TFLOP/s: {rates}; stacks run as {batched})"
         rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gflops.items()))
         return f"{self.name} (GEMM GFLOP/s: {rates}; stacks run as {batched})"
+
+
+def cpu_id() -> str:
+    """This machine's identity for cached measurements: CPU model and flags, torch, threads."""
+    return _cpu_id()
 
 
 def _cpu_id() -> str:
@@ -131,7 +141,7 @@ def cpu_target(cache_dir: Path | None) -> Target:
     path = cache_dir / f"target-cpu-{_cpu_id()}.json" if cache_dir is not None else None
     cached = read_json(path, _calibration_from_json) if path is not None else None
     if cached is not None:
-        return cached
+        return replace(cached, measured=True, cache_dir=cache_dir)
     gflops = {name: _measure(dtypes.dtype(name)) for name in _MEASURED}
     symmetric = _measure_symmetric()
     # A CPU never prefers stacks: measured here, a GPT-2 layer's step took
@@ -141,7 +151,7 @@ def cpu_target(cache_dir: Path | None) -> Target:
     if path is not None:
         # Unwritable: warned once inside, and this process keeps measuring per compile.
         write_json(path, {"gflops": gflops, "prefers_batched": batched, "symmetric": symmetric})
-    return Target("cpu", gflops, batched, symmetric_speedup=symmetric)
+    return Target("cpu", gflops, batched, symmetric_speedup=symmetric, measured=True, cache_dir=cache_dir)
 
 
 def _calibration_from_json(data: object) -> Target:
@@ -203,9 +213,16 @@ GPU_FORMATS: dict[str, tuple[str, ...]] = {
     "sm103": _AMPERE + _FP8 + _MXFP8,
 }
 # Nominal CPUs, to plan for one on any machine (target="cpu" measures this one).
+# They are planned by these rates (the FLOP model): a CPU can only be timed
+# by the process running on it.
 CPU_DESCRIPTORS: dict[str, Target] = {
     # This project's 2-core AVX2 machines, as measured (no bf16 GEMM in hardware).
     "cpu-avx2": Target("cpu-avx2", {"fp32": 85.0, "bf16": 1.3, "fp16": 1.4}, symmetric_speedup=1.25),
+    # This project's 2-core AMD EPYC machines with AVX-512-bf16, as measured
+    # (targets.cpu_target, 256² GEMMs; 768×3072 products reach ~420 bf16 / ~180 fp32).
+    "cpu-avx512bf16": Target(
+        "cpu-avx512bf16", {"fp32": 180.0, "bf16": 420.0, "fp16": 1.8}, symmetric_speedup=1.25
+    ),
     # A Sapphire Rapids-class CPU with AMX-BF16: bf16 GEMMs several times fp32 (nominal figures).
     "cpu-amx": Target("cpu-amx", {"fp32": 2_000.0, "bf16": 8_000.0, "fp16": 2.0}, symmetric_speedup=1.25),
 }

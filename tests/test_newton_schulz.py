@@ -241,7 +241,7 @@ def test_flops_match_design_formulas() -> None:
     for alpha in (1, 3, 4):
         assert flops(m, alpha * m, KJ, "standard") == (20 * alpha + 10) * m**3
         assert flops(m, alpha * m, KJ, "gram", [2]) == (8 * alpha + 28) * m**3
-        # Symmetric products on 4x4 blocks: 10 of 16 blocks of X Xᵀ and A².
+        # Symmetric products on 4 row blocks: (4+1)/(2*4) = 10/16 of X Xᵀ and A².
         symmetric = (2 * alpha + 2) * m**3 * 10 // 16
         assert flops(m, alpha * m, KJ, "standard", blocks=4) == 5 * (2 * alpha * m**3 + symmetric)
 
@@ -421,3 +421,17 @@ def test_max_batch_setting_caps_groups() -> None:
     assert "12 ops in 2 batched op(s)" in hocompile.plan(opt, target="sm90", max_stack_bytes=6 * 32 * 64 * 4 * 2)
     with pytest.raises(ValueError, match="max_batch must be a positive int"):
         hocompile.compile_optimizer(opt, max_batch=0)
+
+
+@pytest.mark.parametrize("eps_mode", ["clamp", "add"])
+def test_native_half_normalisation_rounds_like_normalize(eps_mode: str) -> None:
+    """The native bf16 path normalises without an fp32 copy, with normalize()'s roundings (bit for bit)."""
+    from hocompile.newton_schulz import _normalize_native, normalize
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (1e-6, 1e-2, 1.0, 1e3):
+        for shape in ((64, 256), (100, 37), (3, 300, 40)):
+            xh = (torch.randn(shape, generator=gen) * scale).bfloat16()
+            fast = _normalize_native(xh, 1e-7, eps_mode)
+            reference = normalize(xh.float(), 1e-7, eps_mode, torch.bfloat16).bfloat16()
+            assert torch.equal(fast, reference)
