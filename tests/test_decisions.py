@@ -28,6 +28,7 @@ from hocompile.decisions import (
 from hocompile.graph import decisions, print_graph
 from hocompile.host_scalars import STRUCTURAL_KEYS
 from hocompile.lowering.aten import cache_key
+from hocompile.lowering.reinplace import REINPLACED
 from hocompile.passes import default_pipeline, run_pipeline
 from hocompile.targets import Target, resolve_target
 
@@ -107,6 +108,7 @@ def test_eager_dtype_is_a_declared_typed_key() -> None:
 def test_passes_read_only_declared_meta_keys() -> None:
     """Every ``meta["hocompile.…"]`` the package reads or writes is a declared constant."""
     declared = {decisions_module.DECISION, decisions_module.EAGER_DTYPE, "hocompile.origin", "hocompile.role"}
+    declared.add(REINPLACED)
     root = Path(hocompile.__file__).parent
     pattern = re.compile(r"meta(?:\[|\.get\(|\.setdefault\(|\.pop\()\s*\"(hocompile\.[\w.]+)\"")
     used = {key for path in root.rglob("*.py") for key in pattern.findall(path.read_text())}

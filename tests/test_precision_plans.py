@@ -128,6 +128,9 @@ plan for Muon.step on sm100 (GEMM TFLOP/s: bf16 2250, fp16 2250, fp32 80, fp8 45
   fuse-newton-schulz: fused 4 Newton-Schulz chain(s)
   fuse-polar: no svd -> U @ Vh found
   fuse-eigenbasis: no sort-by-diag(Q^TLQ) -> qr(L Q) found
+  fuse-factor-update: no Gram lerp/addmm of a Kronecker factor found
+  fuse-inverse-root: no eigh or coupled-Newton inverse root found
+  fuse-two-sided: no A X B chain of two products found
   batch-by-shape: 2 ops in 1 batched op(s)
   choose-algorithm: standard/bf16 x3 on sm100 (GEMM TFLOP/s: bf16 2250, fp16 2250, fp32 80, fp8 4500, mxfp8 4500, tf32 1100; stacks run as bmm)
   choose-precision: fp8_e4m3*1+fp16*4 x3 on sm100

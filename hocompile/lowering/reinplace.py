@@ -48,6 +48,9 @@ from .writeback import _is_view, is_fallible, readers
 
 aten = torch.ops.aten
 
+# node.meta key: the destination a node now writes in place (read by tests and dumps).
+REINPLACED = "hocompile.reinplaced"
+
 # Non-pointwise ops whose in-place overload accumulates into ``self`` with the
 # same GEMM call as the functional one (beta * self + alpha * a @ b); registered
 # ops with an in-place form (``hocompile::factor_update_``: eager's lerp_/addmm_).
@@ -230,7 +233,7 @@ def _rewrite(chain: list[fx.Node], dest: fx.Node, form: str) -> None:
     for node in chain[1:]:
         node.target = _overload(node, "inplace")
     for node in chain:
-        node.meta["hocompile.reinplaced"] = dest.name
+        node.meta[REINPLACED] = dest.name
 
 
 def reuse_temporaries(graph: fx.Graph) -> list[str]:
@@ -259,6 +262,6 @@ def reuse_temporaries(graph: fx.Graph) -> list[str]:
         if len(temp.users) != 1 or _occurrences(node, temp) != 1 or not _fits(temp, node) or not _fits(node, node):
             continue
         node.target = _overload(node, "inplace")
-        node.meta["hocompile.reinplaced"] = temp.name
+        node.meta[REINPLACED] = temp.name
         done.append(node.name)
     return done
