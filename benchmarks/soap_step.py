@@ -49,6 +49,7 @@ from hocompile.families.eigenbasis import power_qr  # noqa: E402
 from hocompile.host_scalars import STRUCTURAL_KEYS  # noqa: E402
 from hocompile.passes import BatchByShape, Canonicalize, Pass, run_pipeline  # noqa: E402
 from hocompile.passes.fuse_eigenbasis import FuseEigenbasis  # noqa: E402
+from hocompile.registry import registered_calls  # noqa: E402
 from hocompile.runtime import CompiledOptimizer  # noqa: E402
 from hocompile.runtime.compile_step import step_pipeline  # noqa: E402
 from hocompile.settings import Settings  # noqa: E402
@@ -65,8 +66,11 @@ aten = torch.ops.aten
 
 
 def matmul_flops(gm: fx.GraphModule) -> float:
-    """2·m·k·n per ``aten.mm`` and per matrix of ``aten.bmm``, from the nodes' shapes."""
+    """2·m·k·n per ``aten.mm`` and per matrix of ``aten.bmm``, from the nodes' shapes, plus the GEMM
+    FLOPs of every registered op (factor_update, two_sided, ...: its family's cost model)."""
     total = 0.0
+    for node, family in registered_calls(gm.graph):
+        total += family.cost(family.spec_of(node)).matmul_flops
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (aten.mm.default, aten.bmm.default):
             continue
