@@ -5,8 +5,11 @@
   per-parameter regions), a *registered op group* (a ``hocompile::`` op
   whose family registered a Triton emitter with
   ``registry.register_lowering(op, "triton", emitter)``; Newton–Schulz's is
-  ns_group.py, registered when this package is imported), or an *aten call*
-  (anything else, a registered op without a Triton emitter included);
+  ns_group.py, registered when this package is imported), a *call unit*
+  (a registered op with several tensor inputs, ``factor_update`` and
+  ``two_sided``: call_group.py, emitters in factor_update_group.py and
+  two_sided_group.py), or an *aten call* (anything else, a registered op
+  without a Triton emitter or declined by call_group.find_calls included);
 - pointwise.py and ns_kernels.py generate each kernel from a small spec
   (one generator per family, stable names, a provenance header);
 - wrapper.py writes ``forward()``; the whole module is written to the cache

@@ -7,11 +7,14 @@ that reads top to bottom.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.fx as fx
 
 from .jit_helpers import ROUND_BF16
 
@@ -87,3 +90,31 @@ def emit_round(w: CodeWriter, var: str, dtype: torch.dtype) -> None:
     # bf16: the shared helper rounds on the bits (jit_helpers.py says why).
     w.helpers.add(ROUND_BF16)
     w.line(f"{var} = {ROUND_BF16}({var})")
+
+
+class ValueNames:
+    """Python names of graph values in a generated function."""
+
+    def __init__(self) -> None:
+        self.expr: dict[fx.Node, str] = {}
+
+    def of(self, node: fx.Node) -> str:
+        return self.expr[node]
+
+
+def python_arg(arg: Any, names: ValueNames) -> str:
+    """A node argument as a Python expression of the generated module."""
+    if isinstance(arg, fx.Node):
+        return names.of(arg)
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(python_arg(a, names) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+    if isinstance(arg, torch.dtype):
+        return str(arg)  # "torch.float32"
+    if isinstance(arg, torch.device):
+        return "dev"
+    if isinstance(arg, (torch.memory_format, torch.layout)):
+        return str(arg)
+    if isinstance(arg, float) and not math.isfinite(arg):
+        return f"float('{arg}')"  # repr(inf) is a bare name in the generated module
+    return repr(arg)

@@ -10,7 +10,9 @@ it and the ``unbind`` leaving it are absorbed: the pointwise kernel that
 produces a member stores it straight into the group's stacked *workspace*
 (transposed where the family's batch rule joined an n×m member to an m×n
 batch), and the kernels reading a member load it from the stacked result.
-Any other registered call (no emitter, another shape) stays an aten call.
+A registered call with several tensor inputs is call_group.py's (a call
+unit reading its inputs where they are); any other registered call (no
+emitter, another shape) stays an aten call.
 
 The wrapper allocates, per group, the workspace ``ws<g>`` ``[batch, m, n]``
 (in :attr:`Workspace.dtype`, which the feeding kernels round to), optional

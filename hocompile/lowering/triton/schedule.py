@@ -3,7 +3,9 @@
 A unit is a *pointwise group* (one horizontally fused kernel), a
 *registered op group* (one call of a ``hocompile::`` op whose family has a
 Triton emitter, op_groups.py) or an *aten call* (any other node, a
-registered op without a Triton emitter included). Units are ordered so every unit follows the units
+registered op without a Triton emitter included), or a *call unit* (a
+registered op with several tensor inputs whose emitter reads them where
+they are, call_group.py). Units are ordered so every unit follows the units
 producing its inputs; fusing regions across parameters could in principle
 create a cycle (region A of p0 feeding region B of p1 while B's twin feeds
 A's twin), in which case :func:`schedule` raises :class:`ScheduleError` and
@@ -19,6 +21,7 @@ from enum import Enum
 
 import torch.fx as fx
 
+from .call_group import CallGroup
 from .op_groups import OpGroup
 from .pointwise import PointwiseSpec
 from .regions import Region
@@ -38,6 +41,7 @@ class UnitKind(Enum):
     POINTWISE = "pointwise group"
     REGISTERED = "registered op group"
     ATEN = "aten call"
+    CALL = "registered op call"
 
 
 @dataclass
@@ -46,11 +50,15 @@ class Unit:
     pointwise: PointwiseGroup | None = None
     group: OpGroup | None = None
     node: fx.Node | None = None
+    call: CallGroup | None = None
     deps: set[int] = field(default_factory=set)
 
 
 def build_units(
-    gm: fx.GraphModule, groups: list[PointwiseGroup], op_groups: list[OpGroup]
+    gm: fx.GraphModule,
+    groups: list[PointwiseGroup],
+    op_groups: list[OpGroup],
+    calls: list[CallGroup] | None = None,
 ) -> tuple[list[Unit], dict[fx.Node, int]]:
     """Units, and which unit produces each node's value."""
     units: list[Unit] = []
@@ -67,6 +75,9 @@ def build_units(
         for node in op_group.absorbed:
             absorbed.add(node)
             producer.setdefault(node, len(units) - 1)
+    for call in calls or []:
+        units.append(Unit(UnitKind.CALL, call=call))
+        producer[call.node] = len(units) - 1
     for node in gm.graph.nodes:
         if node.op == "call_function" and node not in producer and node not in absorbed:
             units.append(Unit(UnitKind.ATEN, node=node))
@@ -92,6 +103,8 @@ def _reads(unit: Unit) -> list[fx.Node]:
     if unit.group is not None:
         # Feeds arrive through regions; other inputs (eps) are host scalars.
         return [n for n in unit.group.node.all_input_nodes if n.op != "call_function"]
+    if unit.call is not None:
+        return unit.call.node.all_input_nodes  # its tensors, read where they are, and host scalars
     assert unit.node is not None
     return unit.node.all_input_nodes
 

@@ -12,8 +12,9 @@
    copy each: scalars are read by the kernels from device memory, so a
    replayed CUDA graph stays valid when a schedule changes the learning rate;
 3. ``launch()``: the units in dependency order (schedule.py): pointwise
-   groups, registered op groups (their family's emitter, op_groups.py) and
-   aten calls;
+   groups, registered op groups (their family's emitter, op_groups.py),
+   registered multi-input calls (call_group.py: ``cout<c>`` is the result)
+   and aten calls;
 4. copy the few results that could not be written in place, and return the
    outputs the runtime installs itself (newly created state).
 """
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,9 @@ import torch.fx as fx
 from ... import dtypes
 from ...graph import ORIGIN
 from ..writeback import readers
-from .code import CodeWriter, KernelSource
+from .call_group import CallDecline, CallGroup, emit_call, find_calls
+from .code import CodeWriter, KernelSource, ValueNames
+from .code import python_arg as _py
 from .op_groups import GroupCode, GroupNames, GroupRef, OpGroup, Workspace, allocations, find_op_groups
 from .pointwise import PointwiseSpec, generate_pointwise, partial_count, region_spec
 from .regions import find_regions, is_placeholder_slot
@@ -45,37 +49,12 @@ class WrapperPlan:
     launches: int
     units: list[str] = field(default_factory=list)  # one line per launch unit, for explain()
     # Only kernels reading device tables: launch() may be captured once and
-    # replayed with fresh tables (no aten call, copy or new tensor baked in).
+    # replayed with fresh tables (no aten call, copy, new tensor or call-unit input baked in).
     graph_safe: bool = False
-
-
-class _Names:
-    """Python names of values in the generated forward()."""
-
-    def __init__(self) -> None:
-        self.expr: dict[fx.Node, str] = {}
-
-    def of(self, node: fx.Node) -> str:
-        return self.expr[node]
 
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype)  # "torch.float32"
-
-
-def _py(arg: Any, names: _Names) -> str:
-    if isinstance(arg, fx.Node):
-        return names.of(arg)
-    if isinstance(arg, (list, tuple)):
-        inner = ", ".join(_py(a, names) for a in arg)
-        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
-    if isinstance(arg, torch.dtype):
-        return _dtype(arg)
-    if isinstance(arg, torch.device):
-        return "dev"
-    if isinstance(arg, (torch.memory_format, torch.layout)):
-        return str(arg)
-    return repr(arg)
 
 
 def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str, upcast: str) -> WrapperPlan:
@@ -88,9 +67,11 @@ def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str,
         workspace = workspaces[region.feed.group] if region.feed is not None else None
         spec = region_spec(region, layout, workspace, arch)
         groups.setdefault(spec, PointwiseGroup(spec)).members.append(region)
-    units, producer = build_units(gm, list(groups.values()), op_groups)
+    calls, declines = find_calls(gm)
+    units, producer = build_units(gm, list(groups.values()), op_groups, calls)
     order = schedule(units)
-    return _Emitter(gm, copy_into, arch, upcast, op_groups, workspaces, refs).emit(units, order, producer)
+    emitter = _Emitter(gm, copy_into, arch, upcast, op_groups, workspaces, refs, calls, declines)
+    return emitter.emit(units, order, producer)
 
 
 class _Emitter:
@@ -103,19 +84,22 @@ class _Emitter:
         op_groups: list[OpGroup],
         workspaces: list[Workspace],
         refs: dict[fx.Node, GroupRef],
+        calls: list[CallGroup],
+        declines: list[CallDecline],
     ) -> None:
         self.gm, self.copy_into, self.arch, self.upcast = gm, copy_into, arch, upcast
         self.op_groups, self.workspaces, self.refs = op_groups, workspaces, refs
-        self.names = _Names()
+        self.names = ValueNames()
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.scalar_index: dict[Any, int] = {
             n: i for i, n in enumerate(n for n in self.placeholders if not is_placeholder_slot(n))
         }
-        # Constant scalars of op groups (NS eps) join the scalar table after the host scalars.
+        # Constant scalars of op groups (NS eps), then of call units, join the scalar table after
+        # the host scalars.
         for group in op_groups:
-            for value in group.emitter.scalars(group):
-                if not isinstance(value, fx.Node) and value not in self.scalar_index:
-                    self.scalar_index[value] = len(self.scalar_index)
+            self._add_constants(group.emitter.scalars(group))
+        for call in calls:
+            self._add_constants(call.emitter.scalars(call.node))
         output = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs: list[Any] = list(output.args[0])
         self.in_place: dict[fx.Node, fx.Node] = {}  # region output -> the input it is written into
@@ -126,6 +110,18 @@ class _Emitter:
         self.buffers: list[str] = []  # names buffers() returns
         self.copies = 0  # write-backs that could not be done in place
         self.group_code: dict[int, GroupCode] = {}
+        self.calls = calls
+        self.declines = {d.node: d for d in declines}
+        self.call_code: dict[int, GroupCode] = {}
+        self.baked = 0  # call-unit inputs passed as tensors that are not step buffers
+
+    def _scalar(self, value: Any) -> str:
+        return f"scal[{self.scalar_index[value]}]"  # a 0-d view of the device scalar table
+
+    def _add_constants(self, values: list[Any]) -> None:
+        for value in values:
+            if not isinstance(value, fx.Node) and value not in self.scalar_index:
+                self.scalar_index[value] = len(self.scalar_index)
 
     # -- what each region output writes into --------------------------------
     def _plan_in_place(self, units: list[Unit], order: list[int], producer: dict[fx.Node, int]) -> None:
@@ -171,6 +167,7 @@ class _Emitter:
                     self.names.expr[node] = node.name
                     self.buffers.append(node.name)
             self._emit_buffers(w, units)
+            self._emit_call_buffers(w)
             w.line(f"return ({''.join(b + ', ' for b in self.buffers)})")
         launches = CodeWriter()
         with launches.indent():
@@ -198,7 +195,7 @@ class _Emitter:
             w.line("ptrs = torch.tensor(host_ptrs, dtype=torch.int64, device=dev)")
             w.line("scal = torch.tensor(host_scal, dtype=torch.float32, device=dev)")
             w.line(f"return launch(self, B, ptrs, scal, {inputs})")
-        graph_safe = not self.computed and not self.kept and not self.copies
+        graph_safe = not self.computed and not self.kept and not self.copies and not self.baked
         return WrapperPlan(w.text(), self.kernels, self.kept, self.launches, summary, graph_safe)
 
     def _emit_tables(self, w: CodeWriter, inputs: str, unpack: str) -> None:
@@ -234,7 +231,7 @@ class _Emitter:
             n_partials=partial_count(group.m * group.n, self.arch),
             out=f"out{g}",
             prefix=f"g{g}_",
-            scalar=lambda value: f"scal[{self.scalar_index[value]}]",
+            scalar=self._scalar,
             upcast=self.upcast,
             arch=self.arch,
         )
@@ -289,6 +286,20 @@ class _Emitter:
                     else:
                         self.names.expr[node] = f"{stacked}[{i}]"
 
+    def _emit_call_buffers(self, w: CodeWriter) -> None:
+        """Each call unit's result and temporaries; its launch lines are kept for launch()."""
+        for call in self.calls:
+            # An aten node's value is named after it when launch() computes it (_emit_node).
+            inputs = {f: self.names.expr.get(x, x.name) for f, x in call.inputs().items()}
+            # The kernels take tensors, not table addresses: an input outside buffers() (a grad, a
+            # state tensor) is baked into a captured CUDA graph, so the step is not graph safe.
+            self.baked += sum(re.split(r"[\[.]", e)[0] not in self.buffers for e in inputs.values())
+            code, lines = emit_call(call, inputs, self._scalar, self.upcast, self.arch)
+            self.call_code[call.index] = code
+            w.lines(lines)
+            self.buffers += [f"cout{call.index}", *(b.name for b in code.buffers)]
+            self.names.expr[call.node] = f"cout{call.index}"
+
     def _group_view(self, ref: GroupRef) -> str:
         view = f"out{ref.group}[{ref.slot}]"
         return f"{view}.mT" if ref.transposed else view
@@ -309,6 +320,12 @@ class _Emitter:
             self.launches += code.launches  # the emitter's own count, not a count of its text
             self.kernels += code.kernels
             return code.summary
+        if unit.call is not None:
+            code = self.call_code[unit.call.index]
+            w.lines(code.lines)
+            self.launches += code.launches
+            self.kernels += code.kernels
+            return f"call {unit.call.index} {unit.call.node.name}: {code.summary}"
         assert unit.node is not None
         return self._emit_node(w, unit.node)
 
@@ -363,7 +380,8 @@ class _Emitter:
             self.launches += 1  # an aten call: at least one launch on a GPU
         self.names.expr[node] = name
         self.computed.add(node)
-        return f"aten {name}"
+        decline = self.declines.get(node)
+        return f"aten {name}" + (f" (kept as an aten call: {decline.reason})" if decline is not None else "")
 
     def _emit_outputs(self, w: CodeWriter) -> None:
         kept: list[int] = []
