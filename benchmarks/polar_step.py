@@ -115,7 +115,8 @@ def step_table(rounds: int, warmup: int, clock: Callable[[], float]) -> list[str
 
 
 def pool_table(rounds: int) -> list[str]:
-    from hocompile.families.polar import _per_matrix, polar_gram_eigh, polar_svd
+    from hocompile.families.per_matrix import per_matrix
+    from hocompile.families.polar import polar_gram_eigh, polar_svd
 
     wide = torch.randn(3, 256, 1024, generator=torch.Generator().manual_seed(1))
     tall = wide.mT.contiguous()  # svd stacks tall (the faster orientation), gram_eigh wide
@@ -125,7 +126,7 @@ def pool_table(rounds: int) -> list[str]:
         return lambda: fn(x, "nuclear")
 
     def pooled(fn: Polar, x: torch.Tensor) -> Callable[[], Any]:
-        return lambda: _per_matrix(lambda m: fn(m, "nuclear"), x)
+        return lambda: per_matrix(lambda m: fn(m, "nuclear"), x)
 
     calls: dict[str, Callable[[], Any]] = {}
     for method, fn, x in (("svd", polar_svd, tall), ("gram_eigh", polar_gram_eigh, wide)):
