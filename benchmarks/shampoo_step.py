@@ -164,10 +164,12 @@ def main() -> None:
         f"{step} steps: {worst:.3g}.",
         "",
         *busy_note(load_before),
-        "What the compiled step runs: eager's own aten ops (no Shampoo-specific pass exists yet), "
-        "functionalised, so each in-place update (`lerp_`, `addcmul_`, `addmm_`, `add_`) is an "
-        f"out-of-place op plus a copy into its param or state tensor ({writebacks} such copies per "
-        "step between refreshes here), and eigh stays one LAPACK call per factor.",
+        "What the compiled step runs: eager's arithmetic, with the factor updates, the "
+        "preconditioning products and the inverse roots as registered ops "
+        "(`hocompile.factor_update`, `two_sided`, `inverse_root`); write-backs are re-inplaced "
+        f"({writebacks} copies into a param or state tensor left per step between refreshes), and "
+        "each eigh stays one LAPACK call per factor. Between refreshes the step is GEMM-bound at "
+        "this CPU's fp32 rate (benchmarks/step_floor.py): at eager's FLOPs no plan can gain much.",
         "",
     ]
     text = "\n".join(lines)
