@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import torch.fx as fx
 
+from ..registry import OpSpec
 from ..targets import Target
 
 log = logging.getLogger("hocompile.passes")
@@ -51,6 +52,24 @@ class Pass:
         source = inspect.getsource(type(self))
         digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         return f"{self.name}({options})@{digest}"
+
+
+def with_declines(summary: str, reasons: list[str]) -> str:
+    """``summary`` and, when candidates were declined, how many and the first reason
+    (explain() shows one line per pass; the full list is in the PassResult)."""
+    if not reasons:
+        return summary
+    return summary + f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
+
+
+def replace_with_op(gm: fx.GraphModule, end: fx.Node, spec: OpSpec) -> fx.Node:
+    """A call of ``spec``'s op inserted before ``end``, taking over its value and readers
+    (``end`` and the chain before it are left to the caller or dead-code elimination)."""
+    with gm.graph.inserting_before(end):
+        op = gm.graph.call_function(type(spec).op(), spec.to_args())
+    op.meta["val"] = end.meta["val"]
+    end.replace_all_uses_with(op)
+    return op
 
 
 def _option_identity(value: object) -> str:

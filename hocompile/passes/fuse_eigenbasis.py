@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from ..families.eigenbasis import PowerQRSpec, RayleighOrderSpec
-from .base import Pass, PassResult
+from .base import Pass, PassResult, with_declines
 from .matrix_polynomial import is_call
 
 aten = torch.ops.aten
@@ -84,9 +84,7 @@ class FuseEigenbasis(Pass):
             gm.graph.eliminate_dead_code()
             gm.recompile()
         summary = f"fused {fused} eigenbasis refresh(es)" if fused else "no sort-by-diag(QᵀLQ) → qr(L Q) found"
-        if reasons:
-            summary += f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
-        return PassResult(gm, bool(fused), summary, reasons)
+        return PassResult(gm, bool(fused), with_declines(summary, reasons), reasons)
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:

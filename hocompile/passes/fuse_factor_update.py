@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from ..families.factor_update import FactorUpdateSpec
-from .base import Pass, PassResult
+from .base import Pass, PassResult, replace_with_op, with_declines
 from .matrix_polynomial import is_call, is_number
 
 aten = torch.ops.aten
@@ -109,19 +109,14 @@ class FuseFactorUpdate(Pass):
             if isinstance(spec, str):
                 reasons.append(self.decline(f"{node.name}: {spec}"))
                 continue
-            with gm.graph.inserting_before(node):
-                op = gm.graph.call_function(FactorUpdateSpec.op(), spec.to_args())
-            op.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(op)
+            replace_with_op(gm, node, spec)
             gm.graph.erase_node(node)
             fused += 1
         if fused:
             gm.graph.eliminate_dead_code()
             gm.recompile()
         summary = f"fused {fused} factor update(s)" if fused else "no Gram lerp/addmm of a Kronecker factor found"
-        if reasons:
-            summary += f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
-        return PassResult(gm, bool(fused), summary, reasons)
+        return PassResult(gm, bool(fused), with_declines(summary, reasons), reasons)
 
 
 __all__ = ["FuseFactorUpdate"]

@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..families.inverse_root import InverseRootSpec
-from .base import Pass, PassResult
+from .base import Pass, PassResult, replace_with_op, with_declines
 from .matrix_polynomial import is_call, is_number
 
 aten = torch.ops.aten
@@ -258,18 +258,13 @@ class FuseInverseRoot(Pass):
                 continue
             matches.append(match)
         for spec, end in matches:
-            with gm.graph.inserting_before(end):
-                op = gm.graph.call_function(InverseRootSpec.op(), spec.to_args())
-            op.meta["val"] = end.meta["val"]
-            end.replace_all_uses_with(op)
+            replace_with_op(gm, end, spec)
         fused = len(matches)
         if fused:
             gm.graph.eliminate_dead_code()
             gm.recompile()
         summary = f"fused {fused} inverse root(s)" if fused else "no eigh or coupled-Newton inverse root found"
-        if reasons:
-            summary += f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
-        return PassResult(gm, bool(fused), summary, reasons)
+        return PassResult(gm, bool(fused), with_declines(summary, reasons), reasons)
 
 
 __all__ = ["FuseInverseRoot"]

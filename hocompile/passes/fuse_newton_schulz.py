@@ -72,7 +72,7 @@ import torch
 import torch.fx as fx
 
 from ..ops_schema import NewtonSchulzSpec
-from .base import Pass, PassResult
+from .base import Pass, PassResult, with_declines
 from .matrix_polynomial import (
     Expansion,
     identity_shift,
@@ -133,9 +133,7 @@ class FuseNewtonSchulz(Pass):
             reasons.append(self.decline(f"{n.name}: X Xᵀ product outside any recognised Newton–Schulz chain"))
         gm.recompile()
         summary = f"fused {fused} Newton–Schulz chain(s)" if fused else "no Newton–Schulz chain found"
-        if reasons:
-            summary += f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
-        return PassResult(gm, bool(fused), summary, reasons)
+        return PassResult(gm, bool(fused), with_declines(summary, reasons), reasons)
 
 
 def _gram_of(node: Any) -> Any:

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from ..families.polar import METHODS, PolarSpec
-from .base import Pass, PassResult
+from .base import Pass, PassResult, replace_with_op, with_declines
 from .matrix_polynomial import is_call
 
 aten = torch.ops.aten
@@ -82,9 +82,7 @@ class FusePolar(Pass):
             gm.graph.eliminate_dead_code()
             gm.recompile()
         summary = f"fused {fused} polar factor(s) ({self.method})" if fused else "no svd → U @ Vh found"
-        if reasons:
-            summary += f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
-        return PassResult(gm, bool(fused), summary, reasons)
+        return PassResult(gm, bool(fused), with_declines(summary, reasons), reasons)
 
 
 def _svd_options(svd: fx.Node) -> tuple[bool, bool, Any]:
@@ -165,7 +163,4 @@ def _match(svd: fx.Node) -> _Match | str:
 def _replace(gm: fx.GraphModule, match: _Match, method: str) -> None:
     """Insert the op before the match's end and reroute its readers; DCE removes the svd and products."""
     spec = PolarSpec(x=match.source, method=method, scale=match.scale)
-    with gm.graph.inserting_before(match.end):
-        op = gm.graph.call_function(PolarSpec.op(), spec.to_args())
-    op.meta["val"] = match.end.meta["val"]
-    match.end.replace_all_uses_with(op)
+    replace_with_op(gm, match.end, spec)

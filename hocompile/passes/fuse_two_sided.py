@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..families.two_sided import TwoSidedSpec
-from .base import Pass, PassResult
+from .base import Pass, PassResult, replace_with_op, with_declines
 from .matrix_polynomial import is_call
 
 aten = torch.ops.aten
@@ -113,19 +113,14 @@ class FuseTwoSided(Pass):
             if isinstance(spec, str):
                 reasons.append(self.decline(f"{node.name}: {spec}"))
                 continue
-            with gm.graph.inserting_before(node):
-                op = gm.graph.call_function(TwoSidedSpec.op(), spec.to_args())
-            op.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(op)
+            replace_with_op(gm, node, spec)
             gm.graph.erase_node(node)
             fused += 1
         if fused:
             gm.graph.eliminate_dead_code()
             gm.recompile()
         summary = f"fused {fused} two-sided product(s)" if fused else "no A X B chain of two products found"
-        if reasons:
-            summary += f"; declined {len(reasons)}: " + reasons[0] + (" ..." if len(reasons) > 1 else "")
-        return PassResult(gm, bool(fused), summary, reasons)
+        return PassResult(gm, bool(fused), with_declines(summary, reasons), reasons)
 
 
 __all__ = ["FuseTwoSided"]
