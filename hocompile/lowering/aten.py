@@ -129,7 +129,11 @@ def call_kernels_directly(graph: fx.Graph) -> None:
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
         opdef = OPDEFS.get(target._schema.name)
-        if opdef is not None and target.namespace == "hocompile" and not node.kwargs:
+        if opdef is None or target.namespace != "hocompile" or node.kwargs:
+            continue
+        # Only where the default kernel is the one the dispatcher would pick: an op with a
+        # device-specific kernel (register_kernel) or a disabled one keeps its dispatcher call.
+        if set(opdef._backend_fns) <= {None} and not opdef._disabled_kernel:
             node.target = _direct(target._schema.name, opdef._init_fn)
 
 
