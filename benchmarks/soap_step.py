@@ -10,10 +10,11 @@ Variants, stepped in turn every round on identical params and grads (so
 machine noise hits all alike; medians over rounds):
 
 - ``eager``: ``SOAP.step`` itself;
-- ``default``: ``compile_optimizer`` with the default pipeline;
-- ``fused``: the default pipeline with ``FuseEigenbasis`` after canonicalize;
-- ``fused+batched``: that, and batch-by-shape forced on, so each factor size's
-  ``power_qr`` calls run as one stack, one LAPACK thread per matrix.
+- ``default``: ``compile_optimizer`` with the default pipeline (fuse-eigenbasis
+  and the Kronecker passes; ``power_qr`` stacked per factor size from n = 256,
+  one LAPACK thread per matrix);
+- ``batched``: batch-by-shape forced on, so every registered op with a batch
+  rule stacks, small factors too.
 
 Also reported: matmul FLOPs per steady step counted from the graphs before
 and after the passes, a QR microbenchmark (ATen's batched call vs a loop vs
@@ -47,8 +48,7 @@ if not hasattr(typing, "override"):  # emerging-optimizers 0.3.0 imports typing.
 from hocompile.capture import capture  # noqa: E402
 from hocompile.families.eigenbasis import power_qr  # noqa: E402
 from hocompile.host_scalars import STRUCTURAL_KEYS  # noqa: E402
-from hocompile.passes import BatchByShape, Canonicalize, Pass, run_pipeline  # noqa: E402
-from hocompile.passes.fuse_eigenbasis import FuseEigenbasis  # noqa: E402
+from hocompile.passes import BatchByShape, Pass, run_pipeline  # noqa: E402
 from hocompile.registry import registered_calls  # noqa: E402
 from hocompile.runtime import CompiledOptimizer  # noqa: E402
 from hocompile.runtime.compile_step import step_pipeline  # noqa: E402
@@ -61,7 +61,7 @@ SHAPES = {
     "gpt2-layer": [(768, 2304), (768, 768), (768, 3072), (3072, 768)],  # one of its 12 identical layers
     "tiny": [(16, 32), (16, 32), (32, 16)],
 }
-VARIANTS = ("eager", "default", "fused", "fused+batched")
+VARIANTS = ("eager", "default", "batched")
 aten = torch.ops.aten
 
 
@@ -92,16 +92,8 @@ def soap(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 def pipelines(settings: Settings) -> dict[str, tuple[Pass, ...]]:
     base, _ = step_pipeline(settings, torch.device("cpu"), "aten")
-
-    def with_fuse(force_batch: bool) -> tuple[Pass, ...]:
-        out: list[Pass] = []
-        for p in base:
-            out.append(dataclasses.replace(p, force=True) if force_batch and isinstance(p, BatchByShape) else p)
-            if isinstance(p, Canonicalize):
-                out.append(FuseEigenbasis())
-        return tuple(out)
-
-    return {"default": base, "fused": with_fuse(False), "fused+batched": with_fuse(True)}
+    forced = tuple(dataclasses.replace(p, force=True) if isinstance(p, BatchByShape) else p for p in base)
+    return {"default": base, "batched": forced}
 
 
 def graph_flops(shapes: list[tuple[int, int]], pipes: dict[str, tuple[Pass, ...]]) -> dict[str, float]:
