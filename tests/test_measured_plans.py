@@ -46,6 +46,13 @@ NO_BF16 = {"fp32": 85.0, "bf16": 1.3, "fp16": 1.4}
 FakeTimer = Callable[[Program, str, Callable[[], object]], float]
 
 
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a 1-thread torch: no "on 1 thread" twins, so the candidate lists here do not depend
+    on this machine's cores (tests/test_thread_plans.py covers the twins)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+
+
 def _target(rates: dict[str, float], cache_dir: Path | None) -> Target:
     return Target("cpu", dict(rates), measured=True, cache_dir=cache_dir)
 
@@ -306,3 +313,17 @@ def test_warm_cache_plan_does_not_measure_again(tmp_path: Path) -> None:
     # measurement: never timed twice in one process. A new process re-checks a high spread
     # (test_high_spread_cache_is_measured_again).
     assert "timed 0 shape(s) in 0.00 s, 1 from cache" in second, (first, second)
+
+
+def test_a_load_spike_never_drops_a_program_against_its_own_warm_up() -> None:
+    """Seen under load: every program's round ran 10x its warm-up, each was dropped against its
+    own warm-up, and no plan was left. The bar is the other programs' best, never a program's own."""
+    seen: dict[tuple[str, str], int] = {}
+
+    def spiking(program: Program, unit: str, run: Callable[[], object]) -> float:
+        key = (program.label(), unit)
+        seen[key] = seen.get(key, 0) + 1
+        return 1e-3 if seen[key] == 1 else 1e-2  # the warm-up, then a busy neighbour
+
+    plan = measured_plan(64, 256, 1, KJ, torch.float32, "fp32", MeasureSession(_target(FAST_BF16, None), spiking))
+    assert plan is not None and "measured here" in plan.why

@@ -20,13 +20,15 @@ import torch.fx as fx
 from torch._library.custom_ops import OPDEFS
 from torch.fx.graph import PythonCode
 
+from ..decisions import decisions_of
 from ..diskcache import DiskCache, load_generated
 from ..graph import print_graph
+from ..passes.measure_ns import intra_op_threads
 from .fused_updates import fuse_updates
 from .reinplace import Reinplaced, reinplace, reuse_temporaries
 from .writeback import schedule_writebacks
 
-LOWERING_VERSION = "aten-4"  # 3: re-inplaced write-backs; 4: registered ops called directly
+LOWERING_VERSION = "aten-5"  # 3: re-inplaced write-backs; 4: registered ops called directly; 5: threads
 
 
 @dataclass
@@ -128,13 +130,46 @@ def call_kernels_directly(graph: fx.Graph) -> None:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
-        opdef = OPDEFS.get(target._schema.name)
-        if opdef is None or target.namespace != "hocompile" or node.kwargs:
+        if target.namespace != "hocompile":
             continue
+        opdef = OPDEFS.get(target._schema.name)
         # Only where the default kernel is the one the dispatcher would pick: an op with a
         # device-specific kernel (register_kernel) or a disabled one keeps its dispatcher call.
-        if set(opdef._backend_fns) <= {None} and not opdef._disabled_kernel:
-            node.target = _direct(target._schema.name, opdef._init_fn)
+        if opdef is not None and not node.kwargs:
+            if set(opdef._backend_fns) <= {None} and not opdef._disabled_kernel:
+                node.target = _direct(target._schema.name, opdef._init_fn)
+        threads = planned_threads(node)
+        if threads:
+            node.target = _on_threads(node.target, threads)
+
+
+def planned_threads(node: fx.Node) -> int:
+    """The intra-op threads a plan chose for this op (choose-algorithm, measured), 0 if none."""
+    chosen = [d.chose["threads"] for d in decisions_of(node) if "threads" in d.chose]
+    last = chosen[-1] if chosen else 0
+    return last if isinstance(last, int) else 0
+
+
+_ON_THREADS: dict[tuple[Any, int], Callable[..., Any]] = {}
+
+
+def _on_threads(fn: Any, threads: int) -> Callable[..., Any]:
+    """``fn`` run with torch's intra-op threads set to ``threads`` (measure_ns.Program.threads)."""
+    known = _ON_THREADS.get((fn, threads))
+    if known is not None:
+        return known
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with intra_op_threads(threads):
+            return fn(*args, **kwargs)
+
+    name = getattr(fn, "__name__", "op").replace(".", "_")
+    # The generated module names it so: ``hocompile_ops_newton_schulz_on_1_thread(...)``.
+    call.__name__ = call.__qualname__ = f"{name}_on_{threads}_thread{'s' if threads > 1 else ''}"
+    call.__module__ = getattr(fn, "__module__", None) or __name__
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    _ON_THREADS[(fn, threads)] = call
+    return call
 
 
 _DIRECT: dict[str, Callable[..., Any]] = {}

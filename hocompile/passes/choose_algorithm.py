@@ -79,6 +79,7 @@ class Plan:
     alternatives: tuple[Alternative, ...]
     blocks: int = 0
     why: str = ""  # why this compute precision (measured plans: how they were measured)
+    threads: int = 0  # intra-op threads while it runs (0: all); measure_ns.Program.threads
 
     def label(self) -> str:
         return (
@@ -86,6 +87,7 @@ class Plan:
             f"{' restart ' + str(list(self.restarts)) if self.restarts else ''}"
             f"{' (emulated)' if self.matmul == 'emulate' else ''}"
             f"{f' with symmetric products on {self.blocks} row blocks' if self.blocks else ''}"
+            f"{f' on {self.threads} thread' + ('s' if self.threads > 1 else '') if self.threads else ''}"
         )
 
     def decision(self) -> Decision:
@@ -96,6 +98,8 @@ class Plan:
             "matmul": self.matmul,
             "blocks": self.blocks,
         }
+        if self.threads:  # only when chosen: plans without it print as before
+            chose["threads"] = self.threads
         return Decision(
             ChooseAlgorithm.name,
             chose,
@@ -172,27 +176,37 @@ def measured_candidates(
     saves = flops(m, n, coefficients, "gram", restarts) < flops(m, n, coefficients, "standard")
     found: list[Candidate] = []
     refused: dict[str, Alternative] = {}
-    for compute, matmul in computes:
-        for blocks in blockings:
-            program = Program(compute, matmul, blocks)
-            eager = precision == "auto" and compute == eager_dtype and matmul == "native" and not blocks
-            found.append(Candidate("standard", (), program, eager))
-            name = f"gram {dtypes.name(compute)}"
-            if not saves:
-                refused.setdefault(name, Alternative(name, why_not=f"no FLOPs saved at {m}x{n}"))
-            elif compute in _HALF:
-                verdict = half_gram_verdict(coefficients, m, n, compute)
-                if compute != eager_dtype or not verdict.allowed:
-                    why = verdict.why if not verdict.allowed else "eager's budget is its own dtype"
-                    refused.setdefault(name, Alternative(name, why_not=f"error model: {why}"))
-                else:
-                    found.append(Candidate("gram", verdict.restarts, program))
-            elif eager_dtype.itemsize >= compute.itemsize:
-                # Measured (verify=, rank-2 grads): fp32 Gram NS is 12-40x the error of an
-                # eager that itself computes in fp32; it is within budget against a bf16 eager.
-                refused.setdefault(name, Alternative(name, why_not="not at eager's own precision"))
+    # One thread as well as all of them, dense programs only (row blocks are for large
+    # matrices, where every core pays): Program.threads says why.
+    threadings = (0, 1) if torch.get_num_threads() > 1 else (0,)
+    programs = [
+        Program(compute, matmul, blocks, threads)
+        for compute, matmul in computes
+        for blocks in blockings
+        for threads in threadings
+        if not (threads and blocks)
+    ]
+    for program in programs:
+        compute, matmul, blocks = program.compute, program.matmul, program.blocks
+        native = compute == eager_dtype and matmul == "native"
+        eager = precision == "auto" and native and not blocks and not program.threads
+        found.append(Candidate("standard", (), program, eager))
+        name = f"gram {dtypes.name(compute)}"
+        if not saves:
+            refused.setdefault(name, Alternative(name, why_not=f"no FLOPs saved at {m}x{n}"))
+        elif compute in _HALF:
+            verdict = half_gram_verdict(coefficients, m, n, compute)
+            if compute != eager_dtype or not verdict.allowed:
+                why = verdict.why if not verdict.allowed else "eager's budget is its own dtype"
+                refused.setdefault(name, Alternative(name, why_not=f"error model: {why}"))
             else:
-                found.append(Candidate("gram", restarts, program))
+                found.append(Candidate("gram", verdict.restarts, program))
+        elif eager_dtype.itemsize >= compute.itemsize:
+            # Measured (verify=, rank-2 grads): fp32 Gram NS is 12-40x the error of an
+            # eager that itself computes in fp32; it is within budget against a bf16 eager.
+            refused.setdefault(name, Alternative(name, why_not="not at eager's own precision"))
+        else:
+            found.append(Candidate("gram", restarts, program))
     return found, list(refused.values())
 
 
@@ -226,7 +240,7 @@ def measured_plan(
     program = best.program
     return Plan(
         best.algorithm, best.restarts, program.compute, program.matmul, timed[best],
-        tuple(alternatives + refused), program.blocks, why,
+        tuple(alternatives + refused), program.blocks, why, program.threads,
     )
 
 

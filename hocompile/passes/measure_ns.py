@@ -34,10 +34,11 @@ without running anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,14 @@ DROP_FACTOR = 1.5  # partial time above this × the best candidate: stop timing 
 CAP_FACTOR = 4.0  # calibrated-rate prediction above this × the best: never run it
 WARM_DROP_FACTOR = 2.0  # the warm-up's bar (first calls carry set-up costs: a looser one)
 SPREAD_LIMIT = 0.25  # (median - min) / min of a contender's iteration: above, re-measure next time
+MIN_SAMPLE_S = 1e-3  # a timed sample spans at least this long (repeated calls of a small unit)
+MAX_REPS = 50
 MARGIN = 0.97  # another plan must beat eager's program by 3 %: closer is noise
 MIN_BLOCK_ROWS = 128  # row blocks thinner than this lose more to GEMM efficiency than they save
-MIN_MEASURED_S = 2e-3  # an NS predicted under 2 ms is planned by the FLOP model (measuring costs more)
+# Every NS shape is timed: the FLOP model predicts a 64×256 bf16 NS at ~25 us where it takes
+# ~400 us here, and small matrices are where the thread count decides most (below); timing
+# one costs a few ms once per CPU and shape (then it is cached).
+MIN_MEASURED_S = 0.0
 
 Timer = Callable[["Program", str, Callable[[], object]], float]
 
@@ -76,10 +82,31 @@ class Program:
     compute: torch.dtype
     matmul: str = "native"  # "emulate": half-precision roundings on fp32 GEMMs
     blocks: int = 0
+    # Intra-op threads while this NS runs; 0: all of torch's. On a 2-core CPU a 64×256 NS ran
+    # 1.0-1.45x faster on one thread (3x with the other core busy): waking a second thread
+    # costs more than it saves on small GEMMs. The GEMMs' results are the same either way
+    # here (checked bitwise up to 768×2304); a BLAS that splits the reduction across threads
+    # would round differently, within the plan's error budget.
+    threads: int = 0
 
     def label(self) -> str:
         text = dtypes.name(self.compute) + (" emulated" if self.matmul == "emulate" else "")
-        return text + (f" sym{self.blocks}" if self.blocks else "")
+        text += f" sym{self.blocks}" if self.blocks else ""
+        return text + (f" {self.threads} thread{'s' if self.threads > 1 else ''}" if self.threads else "")
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside (0: unchanged); restored after."""
+    previous = torch.get_num_threads()
+    if not threads or threads == previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @dataclass(frozen=True)
@@ -150,16 +177,29 @@ def _unit_programs(program: Program, batch: int, m: int, n: int, abc: tuple[floa
     s = torch.randn(*lead, m, m, generator=gen) / m
     a_sym = (s + s.mT).to(store)
     a, b, c = abc
-    return {
+    units: dict[str, Callable[[], object]] = {
         "xxt": lambda: arith.sym(x, x.mT),
         "square": lambda: arith.sym_addmm(a_sym, a_sym, a_sym, beta=b, alpha=c),
         "apply": lambda: arith.addmm(x, a_sym, x, beta=a, alpha=1.0),
     }
+    if not program.threads:
+        return units
+
+    def on_threads(unit: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with intra_op_threads(program.threads):
+                return unit()
+
+        return run
+
+    return {name: on_threads(unit) for name, unit in units.items()}
 
 
 def model_unit_seconds(program: Program, m: int, n: int, batch: int, target: Target) -> dict[str, float]:
     """What the target's calibrated GEMM rate predicts for each unit (the cap's yardstick)."""
     rate = target.throughput(program.compute if program.matmul == "native" else torch.float32) * 1e9
+    if program.threads:  # the calibrated rate is all threads'; it orders programs, nothing more
+        rate *= min(1.0, program.threads / max(1, torch.get_num_threads()))
     share = (program.blocks + 1) / (2 * program.blocks) if program.blocks > 1 else 1.0
     return {
         "xxt": batch * 2 * m * m * n * share / rate,
@@ -213,24 +253,36 @@ def measure_programs(
     timings = {p: ProgramTiming() for p in programs}
     built: dict[Program, dict[str, Any]] = {}
 
+    reps: dict[tuple[Program, str], int] = {}
+
     def runner(p: Program, unit: str) -> Callable[[], object]:
         def run() -> object:  # tensors are made on first use: a fake timer never makes them
             if p not in built:
                 built[p] = _unit_programs(p, batch, m, n, abc)
-            return built[p][unit]()
+            result = None
+            for _ in range(reps.get((p, unit), 1)):
+                result = built[p][unit]()
+            return result
 
         return run
 
+    def timed(p: Program, unit: str) -> float:
+        """Seconds of one run of ``unit``: averaged over enough calls to span MIN_SAMPLE_S."""
+        return timer(p, unit, runner(p, unit)) / reps.get((p, unit), 1)
+
     spent = 0.0
 
-    def best_estimate() -> float | None:
-        done = [estimate(timings[c.program], counts[c]) for c in candidates if timings[c.program].complete()]
+    def best_estimate(timing_now: Program) -> float | None:
+        """The bar ``timing_now`` is dropped at: other programs' best, never its own (a load spike
+        during its own round must not drop it against its own warm-up and leave no plan)."""
+        others = [c for c in candidates if c.program != timing_now]
+        done = [estimate(timings[c.program], counts[c]) for c in others if timings[c.program].complete()]
         if done:
             return min(done)
         # During the warm-up round: the warmed-up programs' times (an over-estimate, so a cautious bar).
         warm = [
             sum(counts[c][u] * timings[c.program].warm[u] for u in UNITS)
-            for c in candidates
+            for c in others
             if not timings[c.program].dropped and len(timings[c.program].warm) == len(UNITS)
         ]
         return min(warm) if warm else None
@@ -240,18 +292,22 @@ def measure_programs(
             timing = timings[p]
             if timing.dropped:
                 continue
-            best = best_estimate()
+            best = best_estimate(p)
             if round_ == 0 and best is not None and model_best(p) > CAP_FACTOR * best:
                 ratio = model_best(p) / best
                 timing.dropped = f"not run: this CPU's calibrated rate predicts {ratio:.0f}x the best"
                 continue
             for unit in UNITS:
-                seconds = timer(p, unit, runner(p, unit))
-                spent += seconds
+                seconds = timed(p, unit)
+                spent += seconds * reps.get((p, unit), 1)
                 if round_ > 0:
                     timing.samples[unit].append(seconds)
                 else:
                     timing.warm[unit] = seconds
+                    # A 64×64 product takes ~20 us: one call is at the mercy of a scheduler tick
+                    # (measured: eager's program "117x the best" once). Small units are timed over
+                    # several calls.
+                    reps[(p, unit)] = max(1, min(MAX_REPS, int(MIN_SAMPLE_S / max(seconds, 1e-9))))
                 if round_ == 0 and best is not None and seconds > CAP_FACTOR * best:
                     timing.dropped = f"dropped: one warm-up {unit} took {seconds / best:.1f}x the best whole NS"
                     break
@@ -377,6 +433,7 @@ __all__ = [
     "ProgramTiming",
     "Timer",
     "estimate",
+    "intra_op_threads",
     "measure_programs",
     "unit_counts",
     "wall_timer",
