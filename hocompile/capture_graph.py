@@ -48,7 +48,8 @@ def lift_scalars(
     def lift(node: fx.Node, a: Any, b: Any) -> Any:
         if not isinstance(a, float) or isinstance(a, bool) or _same(a, b):
             return a
-        common = [e for e in ta.by_payload.get(a, []) if e in set(tb.by_payload.get(b, []))]
+        in_b = set(tb.by_payload.get(b, []))  # once, not per candidate: thousands of payloads share a value
+        common = [e for e in ta.by_payload.get(a, []) if e in in_b]
         if not common:
             raise CaptureError(
                 f"a constant of `{node.format_node()}` depends on a hyperparameter but was computed "
