@@ -17,7 +17,7 @@ import torch
 from ..host_scalars import is_hyperparameter
 from ..host_state import HostSlot
 
-TensorSig = tuple[tuple[int, ...], torch.dtype, str, torch.layout]
+TensorSig = tuple[tuple[int, ...], torch.dtype, torch.device, torch.layout]
 
 
 @dataclass(frozen=True)
