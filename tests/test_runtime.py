@@ -68,7 +68,9 @@ def test_disk_cache_reused_and_corrupt_entry_rebuilt(cache_dir) -> None:
     assert b.compiled.counters.disk_hits == 1  # same graph, generated module read back from disk
     path = b.compiled.history[0].lowered.path
     assert path.parent == cache_dir and path.read_text().startswith("# hocompile cache entry sha256=")
-    path.write_text(path.read_text().replace("aten.mm", "aten.bmm", 1))  # tamper
+    text = path.read_text()
+    assert ".mm(" in text  # eager's X @ Xᵀ, called as a tensor method
+    path.write_text(text.replace(".mm(", ".bmm(", 1))  # tamper
     c = Pair(_muon, [(8, 4)], cache_dir, **EXACT)
     with pytest.warns(CacheWarning, match="is corrupt; rebuilding it"):
         c.step()
