@@ -95,6 +95,7 @@ def lower_to_aten(
     plain_graph.output(plain_graph.graph_copy(gm.graph, {}))
     call_kernels_directly(plain_graph)
     call_tensor_methods(plain_graph)
+    keep_collective_inputs_alive(plain_graph)
     plain = plain_graph.python_code(root_module="self")
     graph = fx.Graph(owning_module=gm)
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -103,6 +104,7 @@ def lower_to_aten(
     reused = reuse_temporaries(graph)
     call_kernels_directly(graph)
     call_tensor_methods(graph)
+    keep_collective_inputs_alive(graph)
     if not fused and not done and not reused:
         module, path, body, from_disk = _load(cache, key, header, plain)
         return LoweredStep(_runner(module.forward, gm), path, key, from_disk, body, kept)
@@ -144,6 +146,31 @@ def call_kernels_directly(graph: fx.Graph) -> None:
         threads = planned_threads(node)
         if threads:
             node.target = _on_threads(node.target, threads)
+
+
+def _keep_alive(*tensors: Any) -> None:
+    """Nothing: the generated module's reference to ``tensors`` lasts until this call."""
+
+
+def keep_collective_inputs_alive(graph: fx.Graph) -> None:
+    """Each functional collective's inputs stay referenced until its ``wait_tensor``.
+
+    The generated module drops a value after its last use, which for a collective's
+    input is the collective's launch. A backend that does not hold its own reference
+    (NCCL without record_stream, as reported against nanochat's async Muon gathers)
+    could then hand the memory to the next allocation mid-transfer: a torn gather.
+    """
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not wait:
+            continue
+        launch = node.args[0]
+        if not isinstance(launch, fx.Node) or not str(launch.target).startswith("_c10d_functional."):
+            continue
+        inputs = [a for a in launch.args if isinstance(a, fx.Node)]
+        if inputs:
+            with graph.inserting_after(node):
+                graph.call_function(_keep_alive, tuple(inputs))
 
 
 # The overloads a tensor method's argument parser resolves to for the same arguments.
