@@ -11,15 +11,17 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .diskcache import CacheWarning
+from .distributed.check import DistributedMismatchError
 from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
 from .runtime.compiled_optimizer import LinAlgFallbackWarning, RecompileLimitWarning
 from .runtime.explain import explain
 from .runtime.plan import plan
 from .runtime.verify import VerificationError
-from .settings import Backend, Fallback, Precision, Settings
+from .settings import Backend, Distributed, Fallback, Precision, Settings
 from .targets import Target
 
 __version__ = "0.1.0"
@@ -46,6 +48,9 @@ def compile_optimizer(
     verify: bool | int | None = None,
     recompile_limit: int = 8,
     fused_updates: bool | None = None,
+    distributed: str | Distributed = "auto",
+    process_group: torch.distributed.ProcessGroup | None = None,
+    tp_mode: str = "auto",
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -103,6 +108,26 @@ def compile_optimizer(
             torch's fused CPU kernels (``torch._fused_adamw_``/``_fused_sgd_``):
             3-6x eager's for-loop here, within 1e-6 of eager but not bitwise,
             so off by default (default: ``HOCOMPILE_FUSED_UPDATES``, else off).
+        distributed: how the step runs across torch.distributed ranks.
+            ``"local"``: every rank computes the whole step (as without
+            torch.distributed). ``"replicated"`` (DDP: params and grads the
+            same on every rank): each rank orthogonalises a cost-balanced
+            share of the matrices and one all-gather per dtype bucket brings
+            the rest (bitwise the single-process step); every compile checks
+            across ranks that the plan and the params and grads agree, and
+            raises :class:`DistributedMismatchError` (writing nothing) if not.
+            ``"auto"`` (default) is ``"local"`` for plain tensors: nothing in
+            them proves their grads are replicated.
+        process_group: the group the ranks share with ``"replicated"``
+            (default: the default group).
+        tp_mode: Newton–Schulz on a matrix sharded as a DTensor (``Shard(0)``
+            or ``Shard(1)``): ``"auto"`` (default) picks per matrix by a cost
+            model (shown in :func:`explain`) between ``"route"`` (the whole
+            matrix to an owner rank by two all-to-alls), ``"duplicated"``
+            (all-gather, full NS, keep the own slice) and ``"distributed"``
+            (an all-reduce of the Gram per iteration); naming one forces it.
+            ``"blockwise"`` (each shard alone: a different update, with a
+            warning) only when named.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -129,7 +154,21 @@ def compile_optimizer(
         verify=verify,
         recompile_limit=recompile_limit,
         fused_updates=fused_updates,
+        distributed=distributed,
+        process_group=process_group,
+        tp_mode=tp_mode,
     )
+    if settings.distributed == Distributed.REPLICATED and not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        raise ValueError("distributed='replicated' needs torch.distributed initialised (dist.init_process_group) first")
+    if settings.distributed == Distributed.REPLICATED and any(
+        isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]
+    ):
+        raise ValueError(
+            "distributed='replicated' is for plain tensors that are the same on every rank (DDP); "
+            "these params are DTensors (FSDP2): leave distributed='auto'"
+        )
     return CompiledOptimizer(optimizer, settings)
 
 
@@ -138,6 +177,8 @@ __all__ = [
     "CacheWarning",
     "CaptureError",
     "CompiledOptimizer",
+    "Distributed",
+    "DistributedMismatchError",
     "Fallback",
     "LinAlgFallbackWarning",
     "Precision",

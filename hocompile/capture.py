@@ -33,6 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import traced_collectives
+from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
 from .graph import InputSlot, graph_stats
 from .host_scalars import (
     CaptureError,
@@ -81,6 +82,9 @@ class CapturedStep:
     trace_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)  # of the graph as captured (passes mutate gm)
+    # Inputs that are FSDP2 DTensors: traced at their global shape, run on their local
+    # shards (distributed/sharded.py; passes/route_sharded.py routes their NS).
+    sharded: tuple[InputSlot, ...] = ()
 
 
 @dataclass
@@ -156,6 +160,8 @@ def _trace(
     mode = HostScalarMode(tracker, salt)
     result: dict[str, Any] = {}
     real_inputs = [slot_tensor(opt, s) for s in slots]
+    if any(is_dtensor(t) for t in real_inputs):
+        real_inputs = global_fakes(real_inputs)  # DTensors: the step eager runs sees global shapes
     step = unwrapped_step(opt)
 
     def lift(slot: HostSlot, real: Any, index: int) -> HyperParam:
@@ -362,6 +368,7 @@ def _capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Captured
     exprs = lift_scalars(gm, second.gm, first.tracker, second.tracker)
     outputs = functional_outputs(gm, slots, first.assigns)
     finish_placeholders(gm, slots, exprs)
+    sharded = mark_sharded(gm, [slot_tensor(opt, s) for s in slots], slots, outputs)
     gm.recompile()
     notes = []
     if any(p != "highest" for p in first.matmul_precisions):
@@ -384,4 +391,5 @@ def _capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Captured
         trace_seconds=time.perf_counter() - start,
         notes=notes,
         stats=graph_stats(gm),
+        sharded=sharded,
     )

@@ -28,6 +28,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .diskcache import default_cache_dir
 from .host_scalars import STRUCTURAL_KEYS
@@ -61,6 +62,14 @@ class Fallback(_Choice):
     EAGER = "eager"  # ... or runs eagerly, with a warning
 
 
+class Distributed(_Choice):
+    """How a step runs across torch.distributed ranks (hocompile/distributed/replicated.py)."""
+
+    AUTO = "auto"  # "local" for plain tensors: nothing proves their grads are the same on every rank
+    LOCAL = "local"  # each rank computes the whole step, as without torch.distributed
+    REPLICATED = "replicated"  # DDP: params and grads identical on every rank; each computes a share
+
+
 class Precision(_Choice):
     """Newton–Schulz compute precision: "auto" or a name of hocompile.dtypes."""
 
@@ -75,6 +84,11 @@ class Precision(_Choice):
 BACKENDS = tuple(b.value for b in Backend)
 FALLBACKS = tuple(f.value for f in Fallback)
 PRECISIONS = tuple(p.value for p in Precision)
+DISTRIBUTED = tuple(d.value for d in Distributed)
+# Newton–Schulz on a sharded matrix (passes/route_sharded.py, distributed/tp_plan.py): the cost model
+# picks ("auto"), or every such call routes whole to an owner, or runs one tensor-parallel mode
+# ("blockwise" changes the update: only on this request, with a warning).
+TP_MODES = ("auto", "route", "duplicated", "distributed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,9 @@ class Settings:
     verify: int = 0  # steps checked against eager after each compile (runtime/verify.py)
     recompile_limit: int = 8
     fused_updates: bool = False  # see HOCOMPILE_FUSED_UPDATES above
+    distributed: Distributed = Distributed.AUTO
+    process_group: str | None = None  # its group_name (a name pickles; a ProcessGroup does not); None: default
+    tp_mode: str = "auto"  # NS of a sharded (DTensor) matrix: "auto" (cost model) or one of TP_MODES' others
 
     def __post_init__(self) -> None:
         # Settings(...) built directly may hold the plain strings: store the members
@@ -104,6 +121,7 @@ class Settings:
         object.__setattr__(self, "fallback", Fallback(self.fallback))
         object.__setattr__(self, "precision", Precision(self.precision))
         object.__setattr__(self, "backend", Backend(self.backend))
+        object.__setattr__(self, "distributed", Distributed(self.distributed))
 
     @staticmethod
     def resolve(
@@ -126,6 +144,9 @@ class Settings:
         verify: bool | int | None = None,
         recompile_limit: int = 8,
         fused_updates: bool | None = None,
+        distributed: str | Distributed = "auto",
+        process_group: Any = None,
+        tp_mode: str = "auto",
     ) -> Settings:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -140,6 +161,13 @@ class Settings:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if distributed not in DISTRIBUTED:
+            raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {distributed!r}")
+        if process_group is not None and not hasattr(process_group, "group_name"):
+            kind = type(process_group).__name__
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {kind}")
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
         env_dump = os.environ.get("HOCOMPILE_DUMP_DIR")
         env_disabled = os.environ.get("HOCOMPILE_DISABLE_PASSES", "")
         env_debug = os.environ.get("HOCOMPILE_DEBUG", "0")
@@ -171,6 +199,9 @@ class Settings:
             ),
             verify=_verify_steps(verify),
             recompile_limit=recompile_limit,
+            distributed=Distributed(distributed),
+            process_group=str(process_group.group_name) if process_group is not None else None,
+            tp_mode=tp_mode,
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)

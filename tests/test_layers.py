@@ -5,7 +5,9 @@ backward edge hidden from the reader, not a cure for one. The choices behind
 the names below: newton_schulz and precision/ are numerics that ops, targets
 and passes all use (optimizers/ are eager optimizers built on them); targets
 (what the machine is good at) is read by the passes; settings is the
-runtime's configuration. A new top-level module must be given a layer here.
+runtime's configuration; distributed/ (owner plans, the graph rewrites around
+collectives, TP Newton–Schulz, DTensor layouts the capture reads) sits with capture,
+below the passes that use it. A new top-level module must be given a layer here.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ LAYERS = {
     "leaf": ("dtypes", "diskcache", "registry", "decisions", "scalars"),
     "numerics": ("newton_schulz", "precision", "optimizers"),
     "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
-                "ops", "ops_schema", "families", "targets"),
+                "ops", "ops_schema", "families", "targets", "distributed"),
     "passes": ("passes",),
     "lowering": ("lowering",),
     "runtime": ("runtime", "settings"),

@@ -3,7 +3,14 @@
 ``default_pipeline(target, precision)`` is the explicit tuple the runtime
 runs; see README.md for the invariants every pass keeps. The family
 recognisers (fuse-*) run before batch-by-shape so their ops batch like NS.
-Still to come: distribute.
+dist-ownership (replicated params across ranks, only when asked for) runs
+after them and before batch-by-shape: it sees every orthogonalisation one by
+one, and each rank then batches and plans (algorithm, precision) only the
+share it computes.
+route-sharded (DTensor params, Shard(0) or Shard(1)) is not in the tuple: compile_step
+inserts it before batch-by-shape when the captured step has DTensor inputs, and
+tp-newton-schulz last (it inlines the tensor-parallel NS modes route-sharded chose,
+after choose-algorithm/-precision planned those calls).
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ from .batch_by_shape import BatchByShape
 from .canonicalize import Canonicalize
 from .choose_algorithm import ChooseAlgorithm
 from .choose_precision import ChoosePrecision
+from .dist_ownership import DistOwnership
 from .fuse_eigenbasis import FuseEigenbasis
 from .fuse_factor_update import FuseFactorUpdate
 from .fuse_inverse_root import FuseInverseRoot
 from .fuse_newton_schulz import FuseNewtonSchulz
 from .fuse_polar import FusePolar
 from .fuse_two_sided import FuseTwoSided
+from .route_sharded import RouteSharded
 from .runner import PassRecord, run_pipeline
 
 
@@ -33,11 +42,14 @@ def default_pipeline(
     kernel_formats: frozenset[str] | None = None,
     max_batch: int | None = None,
     max_stack_bytes: int | None = None,
+    dist_ownership: DistOwnership | None = None,
 ) -> tuple[Pass, ...]:
     """``force_batch``: the Triton backend launches per shape group. ``kernel_formats``: the
     formats the lowering has NS kernels for (None: all, the aten path emulates any); a schedule
     using others is planned and explained, not applied. ``apply_schedules=False`` applies none.
-    ``max_batch``/``max_stack_bytes`` cap batch-by-shape's stacks (default 64 and the target's bytes)."""
+    ``max_batch``/``max_stack_bytes`` cap batch-by-shape's stacks (default 64 and the target's bytes).
+    ``dist_ownership``: the configured pass for replicated params across ranks (distributed/replicated.py)."""
+    distribute: tuple[Pass, ...] = (dist_ownership,) if dist_ownership is not None else ()
     return (
         Canonicalize(),
         FuseNewtonSchulz(),
@@ -48,6 +60,7 @@ def default_pipeline(
         FuseFactorUpdate(),
         FuseInverseRoot(),
         FuseTwoSided(),
+        *distribute,
         BatchByShape(
             target=target,
             force=force_batch,
@@ -71,6 +84,7 @@ __all__ = [
     "Canonicalize",
     "ChooseAlgorithm",
     "ChoosePrecision",
+    "DistOwnership",
     "FuseEigenbasis",
     "FuseFactorUpdate",
     "FuseInverseRoot",
@@ -80,6 +94,7 @@ __all__ = [
     "Pass",
     "PassRecord",
     "PassResult",
+    "RouteSharded",
     "default_pipeline",
     "run_pipeline",
 ]

@@ -17,17 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..capture import CapturedStep, capture
 from ..diskcache import DiskCache
+from ..distributed.check import check_replicated
+from ..distributed.replicated import resolve_group
 from ..graph import decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..lowering.triton import lower_to_triton
 from ..lowering.triton.ns_scheduled import schedule_formats
 from ..lowering.writeback import write_fence
 from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
-from ..settings import Backend, Settings
+from ..passes.dist_ownership import DistOwnership
+from ..passes.route_sharded import require_routed, with_route_sharded
+from ..settings import Backend, Distributed, Settings
 from ..targets import Target, device_arch, resolve_target
 from .step_graph import GraphedStep
 
@@ -84,6 +89,23 @@ def kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None:
     return schedule_formats(device_arch(device)) if triton else None
 
 
+def ownership_pass(settings: Settings, backend: str = "aten") -> DistOwnership | None:
+    """The configured dist-ownership pass, or None when every rank computes everything."""
+    if settings.distributed != Distributed.REPLICATED:
+        return None
+    if backend != "aten":
+        # Measured (2 gloo processes, Triton interpreter): an owner's own update of a transposed
+        # NS result differed from the single-process step while the ranks it sent it to were
+        # right, so the ranks diverged. Until the Triton wrapper is checked with collectives
+        # in the graph, refuse rather than risk a silently wrong step.
+        raise ValueError(
+            f"distributed='replicated' runs on the aten lowering only for now (backend={backend!r}); "
+            "pass backend='aten' or distributed='local'"
+        )
+    group = resolve_group(settings.process_group)
+    return DistOwnership(world=dist.get_world_size(group), rank=dist.get_rank(group), group_name=str(group.group_name))
+
+
 def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tuple[tuple[Pass, ...], Target]:
     """The default pass pipeline for ``settings`` on ``device`` (the target calibrated on first use)."""
     with COMPILE_LOCK:
@@ -98,6 +120,7 @@ def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tup
         kernel_formats=kernel_formats(triton, device),
         max_batch=settings.max_batch,
         max_stack_bytes=settings.max_stack_bytes,
+        dist_ownership=ownership_pass(settings, backend),  # None unless distributed="replicated"
     )
     return pipeline, target
 
@@ -125,8 +148,12 @@ def compile_step(
             pipeline, target = step_pipeline(settings, device, backend)
         with torch.no_grad():
             captured = capture(opt, settings.structural_keys)
+        if captured.sharded:  # FSDP2 DTensors: each NS runs whole on an owner rank (passes/route_sharded.py)
+            pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode)
         pass_start = time.perf_counter()
         gm, records = run_pipeline(captured.gm, pipeline, settings.disabled_passes, dump_dir)
+        if captured.sharded:
+            require_routed(gm)
         pass_seconds = time.perf_counter() - pass_start
         final = print_graph(gm)
         step = CompiledStep(captured, gm, records, target, final, decisions(gm), graph_stats(gm), pass_seconds)
@@ -135,6 +162,8 @@ def compile_step(
         if lower:
             _lower(step, opt, settings, pipeline, backend, device, dump_dir)
     step.seconds = time.perf_counter() - start
+    if lower:  # outside COMPILE_LOCK: it waits for the other ranks (threads, in tests) to compile too
+        check_replicated(opt, step.gm)  # distributed/check.py: a no-op unless dist-ownership planned the step
     return step
 
 

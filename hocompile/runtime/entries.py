@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..capture import CapturedStep, slot_tensor
+from ..distributed.sharded import like_param, local_tensor
 from ..host_scalars import is_float
 from ..host_state import MISSING
 from ..lowering import LoweredStep
@@ -129,6 +130,8 @@ def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, A
     if env is None:
         env = host_env(opt, captured)
     tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
+    if captured.sharded:  # DTensors: the module runs on the local shards (their writes land in the DTensors)
+        tensors = [local_tensor(t) for t in tensors]
     # Evaluated before anything runs: an error here leaves everything as it was.
     host_values = [(u.slot, u.value(env)) for u in captured.host_updates]
     outputs = lowered.run(tensors + list(captured.scalars(env)))
@@ -137,10 +140,11 @@ def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, A
     for action, value in zip((captured.outputs[i] for i in lowered.kept), outputs):
         slot = action.slot
         if action.mode == "copy":
-            slot_tensor(opt, slot).copy_(value)
+            local_tensor(slot_tensor(opt, slot)).copy_(value)
         else:
             p = opt.param_groups[slot.group]["params"][slot.index]
-            opt.state[p][slot.key] = value
+            # New state of a DTensor param is a DTensor as eager makes it (state_dict, DCP)
+            opt.state[p][slot.key] = like_param(value, p) if captured.sharded else value
     created = any(a.mode == "assign" for a in captured.outputs)
     for g, i in captured.clears_grads:
         opt.param_groups[g]["params"][i].grad = None

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .. import dtypes
 from ..decisions import decisions_of, format_seconds
+from ..distributed.replicated import DIST_PLAN, OwnershipPlan
 from ..graph import ROLE
 from ..registry import OpFamily, registered_calls
 from ..scalars import Expr
@@ -92,6 +93,10 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
     width = max((len(r.name) for r in entry.passes), default=0)
     for r in entry.passes:
         lines.append(f"    {r.name:<{width}}  {r.status:<9}  {r.seconds * 1e3:6.1f} ms  {r.summary}")
+    ownership = cap.gm.meta.get(DIST_PLAN)  # the passes rewrite the captured graph in place
+    if isinstance(ownership, OwnershipPlan):
+        lines.append("  distributed:")
+        lines += [f"    {line}" for line in ownership.describe()]
     if entry.decisions:
         lines.append("  plans:")
         lines += [f"    {d}" for d in entry.decisions]

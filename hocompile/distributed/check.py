@@ -1,0 +1,108 @@
+"""Proof, at every compile, that replicated ranks agree: same plan, same params, same grads.
+
+Each rank gathers only what the plan says it does not compute, so a rank
+with another plan would read the wrong matrices, and a rank with other grads
+would install its peers' updates computed from their grads: both silently
+wrong steps. Two small all-reduces (MAX of each value and of its negation,
+so one call gives max and min) compare an int64 of the plan digest, then one
+checksum per param and grad. They run before the compiled step ever runs,
+so a mismatch raises on every rank alike with nothing written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+# The collectives are called from distributed_c10d itself: while a step is traced,
+# collectives.py swaps torch.distributed's names for one-rank stand-ins, process-wide,
+# and another rank's thread (threaded process groups in tests) may be tracing right now.
+from torch.distributed import distributed_c10d as c10d
+
+from .replicated import DIST_PLAN, OwnershipPlan
+
+_MASK = (1 << 62) - 1  # non-negative, so -x never overflows and -1 can mean "no grad"
+_NO_GRAD = -1
+
+
+class DistributedMismatchError(RuntimeError):
+    """Ranks that must agree (distributed="replicated") do not; nothing was written."""
+
+
+def check_replicated(opt: torch.optim.Optimizer, gm: fx.GraphModule) -> None:
+    """Raise :class:`DistributedMismatchError` on every rank unless all ranks planned the same
+    step and hold the same params and grads (a no-op for a step dist-ownership did not plan)."""
+    applied = gm.meta.get(DIST_PLAN)
+    if not isinstance(applied, OwnershipPlan):
+        return
+    group = c10d._resolve_process_group(c10d.GroupName(applied.group_name))
+    device = _device(opt)
+    digest = int(applied.plan.digest(), 16) & _MASK
+    low, high = _min_max(torch.tensor([digest], dtype=torch.int64, device=device), group)
+    if low[0] != high[0]:
+        raise DistributedMismatchError(_plan_difference(applied, group))
+    names, sums = _checksums(opt)
+    low, high = _min_max(torch.stack(sums).to(device), group)
+    differ = (low != high).nonzero()
+    if differ.numel():
+        first = int(differ[0, 0])
+        raise DistributedMismatchError(
+            f"distributed='replicated': {names[first]} differs across ranks ({len(differ)} of {len(names)} "
+            "params and grads differ); replicated params need the same params and reduced grads on every "
+            "rank (all-reduce the grads first, or use distributed='local'). Nothing was written."
+        )
+
+
+def _device(opt: torch.optim.Optimizer) -> torch.device:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return params[0].device if params else torch.device("cpu")
+
+
+def _min_max(values: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.cat([values, -values])
+    c10d.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = values.numel()
+    return -both[n:], both[:n]
+
+
+def _checksums(opt: torch.optim.Optimizer) -> tuple[list[str], list[torch.Tensor]]:
+    """One int64 per param and grad, from their bits (a 1-ulp difference changes it)."""
+    names: list[str] = []
+    sums: list[torch.Tensor] = []
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            where = f"param_groups[{g}]['params'][{i}] (shape {list(p.shape)})"
+            names += [where, f"the grad of {where}"]
+            sums.append(_bits_checksum(p.detach()))
+            sums.append(_bits_checksum(p.grad.detach()) if p.grad is not None else torch.tensor(_NO_GRAD))
+    return names, sums
+
+
+def _bits_checksum(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of the tensor's bits, as int64 (wrapping), masked non-negative."""
+    flat = t.contiguous().reshape(-1)
+    width = flat.element_size()
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+    bits = flat.view(as_int).to(torch.int64)
+    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % 65521 + 1
+    total = (bits * weights).sum() * 1000003 + bits.sum()
+    return (total & _MASK).cpu()
+
+
+def _plan_difference(applied: OwnershipPlan, group: Any) -> str:
+    """Which item the ranks' plans first disagree on (every rank gathers every plan: rare and small)."""
+    mine = [(i.key, i.shape, i.dtype, i.bucket, o) for i, o in zip(applied.plan.items, applied.plan.owners)]
+    plans: list[Any] = [None] * c10d.get_world_size(group)
+    c10d.all_gather_object(plans, mine, group=group)
+    text = "distributed='replicated': the ranks planned different steps"
+    for rank, other in enumerate(plans):
+        if other == plans[0]:
+            continue
+        for k, (a, b) in enumerate(zip(plans[0], other)):
+            if a != b:
+                return f"{text}: item {k} is {a} on rank 0 but {b} on rank {rank}. Nothing was written."
+        return f"{text}: rank 0 has {len(plans[0])} orthogonalisations, rank {rank} {len(other)}. Nothing was written."
+    return f"{text} (their plan digests differ). Nothing was written."
