@@ -66,6 +66,7 @@ from .measure_ns import (
 )
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
+MAX_ONE_THREAD_WORK = 256 * 256 * 1024  # m²n of the largest NS that is also timed on one thread
 SYMMETRIC_BLOCKS = 4  # 4x4: 1.47x on 768x3072 X Xᵀ here, 2x2 only 1.33x (newton_schulz.py)
 
 
@@ -177,8 +178,11 @@ def measured_candidates(
     found: list[Candidate] = []
     refused: dict[str, Alternative] = {}
     # One thread as well as all of them, dense programs only (row blocks are for large
-    # matrices, where every core pays): Program.threads says why.
-    threadings = (0, 1) if torch.get_num_threads() > 1 else (0,)
+    # matrices, where every core pays) and up to MAX_ONE_THREAD_WORK: Program.threads says
+    # why. Above it one thread never won here (768×3072: 2x slower) and timing it cost
+    # ~0.2 s of compile per shape.
+    small = m * m * n <= MAX_ONE_THREAD_WORK
+    threadings = (0, 1) if torch.get_num_threads() > 1 and small else (0,)
     programs = [
         Program(compute, matmul, blocks, threads)
         for compute, matmul in computes
