@@ -286,3 +286,32 @@ def test_forced_distributed_falls_back_to_duplicated_where_it_cannot_run(cache: 
         assert "requested, the shard splits the Gram side m of 4x6" in last
         assert "requested, the shard splits the Gram side m of 3x7" in last
         assert last.count("tensor-parallel: duplicated") == 2 and last.count("tensor-parallel: distributed") == 1
+
+
+def test_ranks_whose_plans_differ_refuse_before_any_collective(cache: Path) -> None:
+    """A mode chosen from each machine's own rates could differ between ranks: rank 0 would gather
+    while rank 1 all-reduces (a hang, or the wrong bytes). Every compile compares the collectives
+    each rank's step will issue; here the ranks are told different modes, and both refuse, writing
+    nothing."""
+    shapes = [(6, 16)]
+    params, grads = full_params(shapes, torch.float32), full_grads(shapes, torch.float32)
+
+    def body(rank: int) -> Any:
+        mesh = init_device_mesh("cpu", (2,))
+        ps = [torch.nn.Parameter(distribute_tensor(p.clone(), mesh, [Shard(1)])) for p in params]
+        mode = "duplicated" if rank == 0 else "distributed"
+        opt = hocompile.compile_optimizer(torch.optim.Muon(ps, lr=0.02), tp_mode=mode, cache_dir=cache, **FP32)
+        for p, g in zip(ps, grads[0]):
+            p.grad = distribute_tensor(g.clone(), mesh, p.placements)
+        before = [p.to_local().clone() for p in ps]
+        try:
+            opt.step()
+        except hocompile.DistributedMismatchError as exc:
+            unchanged = all(torch.equal(b, p.to_local()) for b, p in zip(before, ps))
+            return str(exc), unchanged, dict(opt.state)
+        return None, False, None
+
+    results = threaded(2, body)
+    for rank, (message, unchanged, state) in results.items():
+        assert message is not None and "issue different collectives" in message, (rank, message)
+        assert "tp_mode=" in message and unchanged and not state, (rank, message)

@@ -11,6 +11,7 @@ so a mismatch raises on every rank alike with nothing written.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -106,3 +107,54 @@ def _plan_difference(applied: OwnershipPlan, group: Any) -> str:
                 return f"{text}: item {k} is {a} on rank 0 but {b} on rank {rank}. Nothing was written."
         return f"{text}: rank 0 has {len(plans[0])} orthogonalisations, rank {rank} {len(other)}. Nothing was written."
     return f"{text} (their plan digests differ). Nothing was written."
+
+
+def collective_signature(gm: fx.GraphModule) -> tuple[str | None, list[tuple[str, str, tuple[int, ...]]]]:
+    """The group and, in issue order, each functional collective the step makes: its op, its
+    input's dtype and (where every rank must send the same size) its input's shape."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    group: str | None = None
+    issued: list[tuple[str, str, tuple[int, ...]]] = []
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op != "call_function" or not name.startswith("_c10d_functional.") or node.target is wait:
+            continue
+        x = node.args[0] if node.args else None
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        dtype, shape = (str(val.dtype), tuple(val.shape)) if isinstance(val, torch.Tensor) else ("?", ())
+        # all_to_all_single's sizes differ per rank by design (its splits say so)
+        issued.append((name, dtype, () if "all_to_all" in name else shape))
+        group = group or str(node.args[-1])
+    return group, issued
+
+
+def check_collectives_agree(gm: fx.GraphModule, device: torch.device) -> None:
+    """Raise :class:`DistributedMismatchError` on every rank unless every rank's step issues the
+    same collectives in the same order (ops, dtypes, sizes). Without this, ranks whose plans
+    differ (a cost model fed by each machine's own measured rates, a rank that planned another
+    precision) would wait in different collectives: a hang, or a gather of the wrong bytes."""
+    group_name, issued = collective_signature(gm)
+    if group_name is None:
+        return
+    group = c10d._resolve_process_group(c10d.GroupName(group_name))
+    digest = int(hashlib.sha256(repr(issued).encode()).hexdigest()[:16], 16) & _MASK
+    low, high = _min_max(torch.tensor([digest], dtype=torch.int64, device=device), group)
+    if low[0] == high[0]:
+        return
+    everyone: list[Any] = [None] * c10d.get_world_size(group)
+    c10d.all_gather_object(everyone, issued, group=group)
+    text = "the ranks compiled steps that issue different collectives"
+    for rank, other in enumerate(everyone):
+        if other == everyone[0]:
+            continue
+        for k, (a, b) in enumerate(zip(everyone[0], other)):
+            if a != b:
+                text += f": collective {k} is {a} on rank 0 but {b} on rank {rank}"
+                break
+        else:
+            text += f": rank 0 issues {len(everyone[0])}, rank {rank} {len(other)}"
+        break
+    raise DistributedMismatchError(
+        f"{text}. Plans that depend on a machine's measured rates (tp_mode='auto', the NS "
+        "precision) can differ between ranks: name tp_mode= and precision= explicitly. Nothing was written."
+    )

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from ..capture import CapturedStep, capture
 from ..diskcache import DiskCache
-from ..distributed.check import check_replicated
+from ..distributed.check import check_collectives_agree, check_replicated
 from ..distributed.replicated import resolve_group
 from ..graph import decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
@@ -164,6 +164,7 @@ def compile_step(
     step.seconds = time.perf_counter() - start
     if lower:  # outside COMPILE_LOCK: it waits for the other ranks (threads, in tests) to compile too
         check_replicated(opt, step.gm)  # distributed/check.py: a no-op unless dist-ownership planned the step
+        check_collectives_agree(step.gm, device)  # every rank issues the same collectives (a no-op without)
     return step
 
 
