@@ -315,3 +315,26 @@ def test_ranks_whose_plans_differ_refuse_before_any_collective(cache: Path) -> N
     for rank, (message, unchanged, state) in results.items():
         assert message is not None and "issue different collectives" in message, (rank, message)
         assert "tp_mode=" in message and unchanged and not state, (rank, message)
+
+
+def test_ranks_plan_tensor_parallel_modes_from_rank_0s_rates(cache: Path) -> None:
+    """Ranks whose machines measured different GEMM rates still agree on every mode (each would
+    issue other collectives otherwise): the modes are chosen from rank 0's target on every rank."""
+    shapes, dims = [(8, 1024)], [1]
+    params, grads = full_params(shapes, torch.float32), full_grads(shapes, torch.float32)
+    fast = hocompile.Target("fast-cpu", gflops={"fp32": 1e6, "bf16": 1e6})
+
+    def modes(text: str) -> list[str]:
+        return re.findall(r"tensor-parallel: (\w+)", text[text.rindex("compiled step #") :])
+
+    alone = {t.name: modes(threaded(2, tp_run(params, grads, dims, 2, cache_dir=cache, target=t, **FP32))[0][3])
+             for t in (SLOW, fast)}
+    assert alone["slow-cpu"] != alone["fast-cpu"], alone  # the rates decide the mode
+
+    def body(rank: int) -> Any:
+        return tp_run(params, grads, dims, 2, cache_dir=cache, target=SLOW if rank == 0 else fast, **FP32)(rank)
+
+    results = threaded(2, body)
+    for _, _, _, text in results.values():
+        assert modes(text) == alone["slow-cpu"], text
+    check_bf16_update(results, single_process(params, grads, cache_dir=cache, target=SLOW, **FP32))

@@ -158,3 +158,15 @@ def check_collectives_agree(gm: fx.GraphModule, device: torch.device) -> None:
         f"{text}. Plans that depend on a machine's measured rates (tp_mode='auto', the NS "
         "precision) can differ between ranks: name tp_mode= and precision= explicitly. Nothing was written."
     )
+
+
+def rank0_target(target: Any, group_name: str) -> Any:
+    """Rank 0's target on every rank of ``group_name``: a cost model fed by each machine's own
+    measured rates could choose differently per rank (and the ranks would then issue different
+    collectives), so the choices that decide collectives are made from one rank's rates."""
+    group = c10d._resolve_process_group(c10d.GroupName(group_name))
+    if c10d.get_world_size(group) == 1:
+        return target
+    box = [target]
+    c10d.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

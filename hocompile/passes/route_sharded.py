@@ -346,11 +346,14 @@ def _split(graph: fx.Graph, flat: fx.Node, shapes: list[tuple[int, int]]) -> lis
     return out
 
 
-def with_route_sharded(pipeline: tuple[Pass, ...], gm: fx.GraphModule, tp_mode: str = "auto") -> tuple[Pass, ...]:
+def with_route_sharded(
+    pipeline: tuple[Pass, ...], gm: fx.GraphModule, tp_mode: str = "auto", target: Target | None = None
+) -> tuple[Pass, ...]:
     """``pipeline`` with route-sharded for the ranks of ``gm``'s DTensor inputs, right before
     batch-by-shape (so an owner's matrices batch as on one rank), or last if there is none, and
     tp-newton-schulz last (after choose-algorithm/-precision have planned the calls it inlines).
-    ``tp_mode``: the ``tp_mode`` setting ("auto": the cost model on batch-by-shape's target)."""
+    ``tp_mode``: the ``tp_mode`` setting ("auto": the cost model on ``target``, by default
+    batch-by-shape's; compile_step passes rank 0's, so every rank chooses alike)."""
     layout = step_layout(gm)
     if layout is None:
         return pipeline
@@ -359,8 +362,9 @@ def with_route_sharded(pipeline: tuple[Pass, ...], gm: fx.GraphModule, tp_mode: 
             "distributed='replicated' was asked for, but the step's params are Shard(0) DTensors: they are "
             "sharded, not replicated (leave distributed at 'auto'; route-sharded plans them)"
         )
-    targets = (getattr(p, "target", None) for p in pipeline)
-    target = next((t for t in targets if isinstance(t, Target)), None)
+    if target is None:
+        targets = (getattr(p, "target", None) for p in pipeline)
+        target = next((t for t in targets if isinstance(t, Target)), None)
     group = {"world": layout.world, "rank": layout.rank, "group_name": layout.group_name}
     route = RouteSharded(**group, tp_mode=tp_mode, target=target)  # type: ignore[arg-type]
     names = [p.name for p in pipeline]

@@ -22,8 +22,9 @@ import torch.fx as fx
 
 from ..capture import CapturedStep, capture
 from ..diskcache import DiskCache
-from ..distributed.check import check_collectives_agree, check_replicated
+from ..distributed.check import check_collectives_agree, check_replicated, rank0_target
 from ..distributed.replicated import resolve_group
+from ..distributed.sharded import is_dtensor
 from ..graph import decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..lowering.triton import lower_to_triton
@@ -106,6 +107,16 @@ def ownership_pass(settings: Settings, backend: str = "aten") -> DistOwnership |
     return DistOwnership(world=dist.get_world_size(group), rank=dist.get_rank(group), group_name=str(group.group_name))
 
 
+def shared_target(opt: torch.optim.Optimizer, pipeline: tuple[Pass, ...]) -> Target | None:
+    """Rank 0's target (the pipeline's) when the params are DTensors on a mesh, else None."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
+    found = next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
+    if mesh is None or found is None or mesh.ndim != 1:
+        return found
+    return rank0_target(found, mesh.get_group().group_name)
+
+
 def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tuple[tuple[Pass, ...], Target]:
     """The default pass pipeline for ``settings`` on ``device`` (the target calibrated on first use)."""
     with COMPILE_LOCK:
@@ -141,15 +152,22 @@ def compile_step(
     """
     device = params_device(opt)
     backend = resolve_backend(settings, device)
-    with COMPILE_LOCK:  # one compile at a time per process (see COMPILE_LOCK)
-        start = time.perf_counter()  # waiting for another compile is not this one's time
-        target = None
+    target = None
+    with COMPILE_LOCK:  # the target is calibrated once per process
+        planning = time.perf_counter()
         if pipeline is None:
             pipeline, target = step_pipeline(settings, device, backend)
+        planning = time.perf_counter() - planning
+    # Sharded params: the tensor-parallel modes decide which collectives each rank issues, so every
+    # rank chooses them from rank 0's rates (a broadcast, outside the lock: in tests, ranks are
+    # threads of one process and would otherwise wait for each other's lock).
+    shared = shared_target(opt, pipeline)
+    with COMPILE_LOCK:  # one compile at a time per process (see COMPILE_LOCK)
+        start = time.perf_counter() - planning  # waiting for another compile is not this one's time
         with torch.no_grad():
             captured = capture(opt, settings.structural_keys)
-        if captured.sharded:  # FSDP2 DTensors: each NS runs whole on an owner rank (passes/route_sharded.py)
-            pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode)
+        if captured.sharded:  # DTensors: each NS routed to an owner or run tensor-parallel (route_sharded.py)
+            pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode, shared)
         pass_start = time.perf_counter()
         gm, records = run_pipeline(captured.gm, pipeline, settings.disabled_passes, dump_dir)
         if captured.sharded:
