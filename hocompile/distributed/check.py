@@ -93,20 +93,33 @@ def _bits_checksum(t: torch.Tensor) -> torch.Tensor:
     return (total & _MASK).cpu()
 
 
-def _plan_difference(applied: OwnershipPlan, group: Any) -> str:
-    """Which item the ranks' plans first disagree on (every rank gathers every plan: rare and small)."""
-    mine = [(i.key, i.shape, i.dtype, i.bucket, o) for i, o in zip(applied.plan.items, applied.plan.owners)]
-    plans: list[Any] = [None] * c10d.get_world_size(group)
-    c10d.all_gather_object(plans, mine, group=group)
-    text = "distributed='replicated': the ranks planned different steps"
-    for rank, other in enumerate(plans):
-        if other == plans[0]:
+def _first_difference(mine: list[Any], group: Any) -> tuple[int, int | None, Any, Any] | None:
+    """Where another rank's list first differs from rank 0's: (rank, index, rank 0's entry, its
+    entry), or (rank, None, rank 0's length, its length); None if all agree. Every rank gathers
+    every list: only after a digest already differed, so rare."""
+    everyone: list[Any] = [None] * c10d.get_world_size(group)
+    c10d.all_gather_object(everyone, mine, group=group)
+    for rank, other in enumerate(everyone):
+        if other == everyone[0]:
             continue
-        for k, (a, b) in enumerate(zip(plans[0], other)):
+        for k, (a, b) in enumerate(zip(everyone[0], other)):
             if a != b:
-                return f"{text}: item {k} is {a} on rank 0 but {b} on rank {rank}. Nothing was written."
-        return f"{text}: rank 0 has {len(plans[0])} orthogonalisations, rank {rank} {len(other)}. Nothing was written."
-    return f"{text} (their plan digests differ). Nothing was written."
+                return rank, k, a, b
+        return rank, None, len(everyone[0]), len(other)
+    return None
+
+
+def _plan_difference(applied: OwnershipPlan, group: Any) -> str:
+    """Which item the ranks' plans first disagree on."""
+    mine = [(i.key, i.shape, i.dtype, i.bucket, o) for i, o in zip(applied.plan.items, applied.plan.owners)]
+    text = "distributed='replicated': the ranks planned different steps"
+    found = _first_difference(mine, group)
+    if found is None:
+        return f"{text} (their plan digests differ). Nothing was written."
+    rank, k, a, b = found
+    if k is not None:
+        return f"{text}: item {k} is {a} on rank 0 but {b} on rank {rank}. Nothing was written."
+    return f"{text}: rank 0 has {a} orthogonalisations, rank {rank} {b}. Nothing was written."
 
 
 def collective_signature(gm: fx.GraphModule) -> tuple[str | None, list[tuple[str, str, tuple[int, ...]]]]:
@@ -141,19 +154,13 @@ def check_collectives_agree(gm: fx.GraphModule, device: torch.device) -> None:
     low, high = _min_max(torch.tensor([digest], dtype=torch.int64, device=device), group)
     if low[0] == high[0]:
         return
-    everyone: list[Any] = [None] * c10d.get_world_size(group)
-    c10d.all_gather_object(everyone, issued, group=group)
     text = "the ranks compiled steps that issue different collectives"
-    for rank, other in enumerate(everyone):
-        if other == everyone[0]:
-            continue
-        for k, (a, b) in enumerate(zip(everyone[0], other)):
-            if a != b:
-                text += f": collective {k} is {a} on rank 0 but {b} on rank {rank}"
-                break
-        else:
-            text += f": rank 0 issues {len(everyone[0])}, rank {rank} {len(other)}"
-        break
+    found = _first_difference(issued, group)
+    if found is not None:
+        rank, k, a, b = found
+        text += f": collective {k} is {a} on rank 0 but {b} on rank {rank}" if k is not None else (
+            f": rank 0 issues {a}, rank {rank} {b}"
+        )
     raise DistributedMismatchError(
         f"{text}. Plans that depend on a machine's measured rates (tp_mode='auto', the NS "
         "precision) can differ between ranks: name tp_mode= and precision= explicitly. Nothing was written."
