@@ -23,9 +23,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
 import hocompile
+
+from .dist_helpers import comm_counts, threaded
 
 SHAPES = [(8, 6), (3, 5), (1, 4), (6, 8), (5, 5)]
 # choose-algorithm/-precision plan the NS by timing this machine (fp32 where bf16 measures slow,
@@ -80,22 +81,6 @@ def sharded(params: list[torch.Tensor], world: int) -> tuple[Holder, Any]:
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model, mesh=mesh)
     return model, mesh
-
-
-def threaded(world: int, body: Callable[[int], Any]) -> dict[int, Any]:
-    """Run ``body(rank)`` on ``world`` threads of one threaded process group; each rank's result."""
-    results: dict[int, Any] = {}
-
-    @spawn_threads_and_init_comms(world_size=world)
-    def run(_: Any) -> None:
-        results[dist.get_rank()] = body(dist.get_rank())
-
-    run(None)
-    return results
-
-
-def comm_counts(mode: CommDebugMode) -> dict[str, int]:
-    return {str(op).split(".")[-1].rstrip("')>"): n for op, n in mode.get_comm_counts().items()}
 
 
 def compiled_sharded_run(

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
 import hocompile
 from hocompile.distributed.tensor_parallel import BlockwiseWarning
+
+from .dist_helpers import comm_counts, threaded
 
 STEPS = 3  # steps 1 and 2 compile (CommDebugMode also sees the collectives traced then): count step 3
 NS_STEPS = 5  # torch.optim.Muon's default
@@ -58,21 +58,6 @@ def single_process(params: list[torch.Tensor], grads: list[list[torch.Tensor]], 
             p.grad = g.clone()
         opt.step()
     return [p.detach() for p in ps]
-
-
-def threaded(world: int, body: Callable[[int], Any]) -> dict[int, Any]:
-    results: dict[int, Any] = {}
-
-    @spawn_threads_and_init_comms(world_size=world)
-    def run(_: Any) -> None:
-        results[dist.get_rank()] = body(dist.get_rank())
-
-    run(None)
-    return results
-
-
-def comm_counts(mode: CommDebugMode) -> dict[str, int]:
-    return {str(op).rpartition(".")[2]: n for op, n in mode.get_comm_counts().items()}
 
 
 def tp_run(
