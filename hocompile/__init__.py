@@ -51,6 +51,8 @@ def compile_optimizer(
     distributed: str | Distributed = "auto",
     process_group: torch.distributed.ProcessGroup | None = None,
     tp_mode: str = "auto",
+    stamp: bool | None = None,
+    warm_start: bool | None = None,
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -128,6 +130,19 @@ def compile_optimizer(
             (an all-reduce of the Gram per iteration); naming one forces it.
             ``"blockwise"`` (each shard alone: a different update, with a
             warning) only when named.
+        stamp: trace the step on one representative of each parameter class
+            (params of a group with the same shapes, dtypes and state layout)
+            and run its program for every member, where a second trace with
+            two members per class proves the step one program per param
+            (default True; ``HOCOMPILE_STAMP=0`` turns it off). Compile time
+            then follows the number of classes, not of params; a step that
+            mixes params (a global grad norm) is traced whole, and
+            :func:`explain` says why.
+        warm_start: a new process with the same optimizer code, shapes and
+            settings loads its compiled steps from ``cache_dir`` instead of
+            tracing them, and checks each loaded step's first step against
+            eager on copies (a mismatch recompiles); default True
+            (``HOCOMPILE_WARM_START=0`` turns it off).
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -157,6 +172,8 @@ def compile_optimizer(
         distributed=distributed,
         process_group=process_group,
         tp_mode=tp_mode,
+        stamp=stamp,
+        warm_start=warm_start,
     )
     if settings.distributed == Distributed.REPLICATED and not (
         torch.distributed.is_available() and torch.distributed.is_initialized()

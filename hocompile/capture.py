@@ -19,7 +19,11 @@ rebound on the optimizer is put back even when the step raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -39,6 +43,7 @@ from .host_scalars import (
     CaptureError,
     HostScalarMode,
     counter_name,
+    is_float,
     restore_groups,
     swap_in_hyperparams,
     user_line,
@@ -85,6 +90,9 @@ class CapturedStep:
     # Inputs that are FSDP2 DTensors: traced at their global shape, run on their local
     # shards (distributed/sharded.py; passes/route_sharded.py routes their NS).
     sharded: tuple[InputSlot, ...] = ()
+    # The source files whose code the first trace ran, besides torch's and hocompile's own:
+    # the optimizer's, its helpers', a monkeypatch's (the warm start keys on their contents).
+    code_files: tuple[str, ...] = ()
 
 
 @dataclass
@@ -105,11 +113,19 @@ def unwrapped_step(opt: torch.optim.Optimizer) -> Any:
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
 
 
-def input_slots(opt: torch.optim.Optimizer) -> list[InputSlot]:
+# Which params a trace hands the step, per group: their indices into the group's own
+# list, in order (None: all of them). A reduced trace (classes/stamp.py) runs the step
+# on a few representatives of each parameter class; inputs keep their real indices.
+TraceView = dict[int, list[int]]
+
+
+def input_slots(opt: torch.optim.Optimizer, view: TraceView | None = None) -> list[InputSlot]:
     """Tensor inputs of the step, in graph order: per param, param, grad, state."""
     slots: list[InputSlot] = []
     for g, group in enumerate(opt.param_groups):
-        for i, p in enumerate(group["params"]):
+        params = group["params"]
+        for i in range(len(params)) if view is None else view.get(g, []):
+            p = params[i]
             if p.grad is None:
                 continue
             slots += [InputSlot("param", g, i), InputSlot("grad", g, i)]
@@ -155,6 +171,7 @@ def _trace(
     structural: frozenset[str],
     salt: int,
     lifted: frozenset[HostSlot] = frozenset(),
+    view: TraceView | None = None,
 ) -> _TraceResult:
     tracker = ScalarTracker(real={})
     mode = HostScalarMode(tracker, salt)
@@ -199,14 +216,17 @@ def _trace(
         changes: list[Change] = []
         try:
             for g, group in enumerate(groups):
-                params = list(group["params"])
-                for i, p in enumerate(params):
+                original = group["params"]
+                present = range(len(original)) if view is None else view.get(g, [])
+                params = [original[i] for i in present]
+                for k, i in enumerate(present):
+                    p = original[i]
                     if (slot := InputSlot("param", g, i)) not in by_slot:
                         fake_state[p] = dict(saved_state.get(p, {}))
                         continue
                     fp = by_slot[slot]
                     fp.grad = by_slot[InputSlot("grad", g, i)]
-                    params[i] = fp
+                    params[k] = fp
                     fakes[(g, i)] = fp
                     entry = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result)
                     for key in entry:
@@ -330,15 +350,21 @@ def _fake_entry(
     return entry
 
 
-def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedStep:
+def capture(
+    opt: torch.optim.Optimizer,
+    structural: frozenset[str],
+    view: TraceView | None = None,
+) -> CapturedStep:
     """Trace ``opt.step()`` as it would run now into a :class:`CapturedStep`.
 
+    ``view``: trace only these params of each group (the others are absent
+    from the group's list while the step runs).
     Every failure is a :class:`CaptureError` (a bug of ours too: it names
     itself), so ``fallback="eager"`` covers all of them.
     """
     try:
         with _TRACE_LOCK:
-            return _capture(opt, structural)
+            return _capture(opt, structural, view)
     except CaptureError:
         raise
     except Exception as exc:
@@ -346,23 +372,57 @@ def capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedS
         raise CaptureError(f"internal error while capturing {what}") from exc
 
 
-def _capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> CapturedStep:
+class ExecutedFiles:
+    """The files of every Python function called while it is entered (``sys.setprofile``),
+    except torch's and hocompile's own (their versions key the cache already)."""
+
+    _INTERNAL = (
+        os.path.dirname(torch.__file__),
+        os.path.dirname(os.path.abspath(__file__)),
+        sysconfig.get_paths()["stdlib"],  # Python's own: its version keys the cache too
+    )
+
+    def __init__(self) -> None:
+        self._codes: set[Any] = set()
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            self._codes.add(frame.f_code)
+
+    def __enter__(self) -> ExecutedFiles:
+        self._saved = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self._saved)
+
+    def files(self) -> tuple[str, ...]:
+        names = {code.co_filename for code in self._codes}
+        return tuple(sorted(n for n in names if not n.startswith(("<", *self._INTERNAL)) and os.path.isfile(n)))
+
+
+def _capture(
+    opt: torch.optim.Optimizer, structural: frozenset[str], view: TraceView | None
+) -> CapturedStep:
     start = time.perf_counter()
-    slots = input_slots(opt)
+    slots = input_slots(opt, view)
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")
     # Python numbers the step rewrites (``group["step"] += 1``) become host
     # inputs; each trace can reveal more of them, so trace until none is new.
     lifted: frozenset[HostSlot] = frozenset()
-    for _ in range(4):
-        first = _trace(opt, slots, structural, 0, lifted)
+    files = ExecutedFiles()
+    for attempt in range(4):
+        with files if attempt == 0 else contextlib.nullcontext():
+            first = _trace(opt, slots, structural, 0, lifted, view)
         more = needs_lifting(first.changes, lifted)
         if not more:
             break
         lifted |= more
     else:
         raise CaptureError("the step keeps rewriting new Python values on every trace; cannot compile it")
-    second = _trace(opt, slots, structural, 1, lifted)
+    second = _trace(opt, slots, structural, 1, lifted, view)
     updates = host_updates(first.changes, second.changes)
     gm = first.gm
     exprs = lift_scalars(gm, second.gm, first.tracker, second.tracker)
@@ -392,4 +452,22 @@ def _capture(opt: torch.optim.Optimizer, structural: frozenset[str]) -> Captured
         notes=notes,
         stats=graph_stats(gm),
         sharded=sharded,
+        code_files=files.files(),
     )
+
+
+def host_env(opt: torch.optim.Optimizer, captured: CapturedStep) -> dict[str, Any]:
+    """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
+    env: dict[str, Any] = {}
+    for g, group in enumerate(opt.param_groups):
+        for key, value in group.items():
+            if is_float(value):
+                env[f"g{g}.{key}"] = value
+            elif isinstance(value, (tuple, list)) and value and is_float(value[0]):
+                for i, v in enumerate(value):
+                    env[f"g{g}.{key}[{i}]"] = v
+    for counter in captured.counters:
+        env[counter.name] = slot_tensor(opt, counter.slot).item()
+    for slot in captured.lifted:
+        env[slot.name()] = slot.read(opt)
+    return env

@@ -104,6 +104,11 @@ class Decision:
         # Read-only, so a decision shared between nodes (batch-by-shape copies it) cannot drift.
         object.__setattr__(self, "chose", MappingProxyType(dict(self.chose)))
 
+    def __reduce__(self) -> tuple[type[Decision], tuple[object, ...]]:
+        # A mappingproxy does not pickle; the warm start (runtime/warm.py) keeps decisions on disk.
+        fields = (self.label, self.predicted_s, self.predicted_error, self.alternatives, self.why, self.not_applied)
+        return (Decision, (self.pass_name, dict(self.chose), *fields))
+
     @property
     def applied(self) -> bool:
         return bool(self.chose) and not self.not_applied

@@ -43,12 +43,15 @@ class InputSlot:
 
     # "param" | "grad" | "state" | "attr" (a tensor attribute of the optimizer, by key)
     # | "group" (a tensor in param_groups[group][key], e.g. lr=torch.tensor(0.01))
+    # | "global" (a stamped step's class program: value ``index`` of the step's shared part)
     kind: str
     group: int
     index: int  # position in param_groups[group]["params"]
     key: str = ""  # state key, for kind == "state"
 
     def label(self) -> str:
+        if self.kind == "global":
+            return f"shared{self.index}"
         if self.kind == "attr":
             return f"a_{_ident(self.key)}"
         if self.kind == "group":
@@ -58,6 +61,8 @@ class InputSlot:
         return f"{base}{self.group}_{self.index}{suffix}"
 
     def describe(self) -> str:
+        if self.kind == "global":
+            return f"value {self.index} of the part of the step every param shares"
         if self.kind == "attr":
             return f"optimizer attribute {self.key!r}"
         if self.kind == "group":
@@ -106,6 +111,35 @@ def verify(gm: fx.GraphModule) -> None:
                 raise GraphInvalid(f"{node.format_node()} has no {ORIGIN}")
             if _is_inplace(node.target):
                 raise GraphInvalid(f"in-place op left in the graph: {node.format_node()}")
+
+
+# Ops that raise on their input's values (torch.linalg.LinAlgError), not only on shapes.
+FALLIBLE: frozenset[str] = frozenset(
+    {
+        "aten::_linalg_eigh",
+        "aten::linalg_eigh",
+        "aten::_linalg_svd",
+        "aten::linalg_svd",
+        "aten::linalg_cholesky",
+        "aten::linalg_cholesky_ex",
+        "aten::linalg_inv",
+        "aten::linalg_inv_ex",
+        "aten::linalg_solve",
+        "aten::_linalg_solve_ex",
+        "aten::linalg_eig",
+        "aten::linalg_eigvalsh",
+        "aten::_linalg_check_errors",
+    }
+)
+
+
+def is_fallible(node: fx.Node) -> bool:
+    """An aten op in FALLIBLE, or a registered op whose family says it may raise on its data."""
+    family = family_of(node)
+    if family is not None:
+        return family.fallible
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name in FALLIBLE
 
 
 def _is_inplace(target: Any) -> bool:

@@ -93,6 +93,14 @@ class Expr:
             out |= a.inputs()
         return out
 
+    def renamed(self, names: dict[str, str]) -> Expr:
+        """This expression with its inputs renamed (those not in ``names`` kept)."""
+        if self.op == "input":
+            return Expr("input", name=names.get(self.name, self.name))
+        if not self.args:
+            return self
+        return Expr(self.op, tuple(a.renamed(names) for a in self.args), self.name, self.value)
+
     def evaluate(self, env: dict[str, Any]) -> Any:
         if self.op == "input":
             return env[self.name]

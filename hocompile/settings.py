@@ -11,6 +11,12 @@
   first steps (runtime/verify.py): ``1``/``true``/``on`` for the default
   number (3), another integer N for N steps, ``0``/``false``/``off`` (or
   unset) for none.
+- ``HOCOMPILE_STAMP``: ``0``/``false``/``off`` traces every param of a step
+  instead of one representative per parameter class (classes/stamp.py); on
+  by default.
+- ``HOCOMPILE_WARM_START``: ``0``/``false``/``off`` neither loads compiled
+  steps of earlier processes from the cache directory nor keeps them there
+  (runtime/warm.py); on by default.
 - ``HOCOMPILE_FUSED_UPDATES``: ``1``/``true``/``on`` runs AdamW and
   SGD-momentum updates on the aten lowering with torch's fused CPU kernels
   (3-4x faster, within 1e-6 of eager but not bitwise; lowering/fused_updates.py).
@@ -114,6 +120,8 @@ class Settings:
     distributed: Distributed = Distributed.AUTO
     process_group: str | None = None  # its group_name (a name pickles; a ProcessGroup does not); None: default
     tp_mode: str = "auto"  # NS of a sharded (DTensor) matrix: "auto" (cost model) or one of TP_MODES' others
+    stamp: bool = True  # trace one representative per parameter class where the step is proved separable
+    warm_start: bool = True  # load compiled steps of earlier processes from cache_dir (runtime/warm.py)
 
     def __post_init__(self) -> None:
         # Settings(...) built directly may hold the plain strings: store the members
@@ -147,6 +155,8 @@ class Settings:
         distributed: str | Distributed = "auto",
         process_group: Any = None,
         tp_mode: str = "auto",
+        stamp: bool | None = None,
+        warm_start: bool | None = None,
     ) -> Settings:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -202,6 +212,16 @@ class Settings:
             distributed=Distributed(distributed),
             process_group=str(process_group.group_name) if process_group is not None else None,
             tp_mode=tp_mode,
+            stamp=(
+                os.environ.get("HOCOMPILE_STAMP", "").strip().lower() not in _VERIFY_OFF[1:]
+                if stamp is None
+                else bool(stamp)
+            ),
+            warm_start=(
+                os.environ.get("HOCOMPILE_WARM_START", "").strip().lower() not in _VERIFY_OFF[1:]
+                if warm_start is None
+                else bool(warm_start)
+            ),
         )
         if debug_level:
             logging.getLogger("hocompile").setLevel(logging.DEBUG if debug_level >= 2 else logging.INFO)

@@ -29,7 +29,7 @@ LAYERS = {
     "leaf": ("dtypes", "diskcache", "registry", "decisions", "scalars"),
     "numerics": ("newton_schulz", "precision", "optimizers"),
     "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
-                "ops", "ops_schema", "families", "targets", "distributed"),
+                "ops", "ops_schema", "families", "targets", "distributed", "classes", "graph_codec"),
     "passes": ("passes",),
     "lowering": ("lowering",),
     "runtime": ("runtime", "settings"),

@@ -72,6 +72,10 @@ def _constants_digest(gm: fx.GraphModule) -> str:
     return ";".join(parts)
 
 
+# Rewrites a generated ``forward``'s source given its parameter names (list_mode.py).
+SourceTransform = Callable[[str, list[str]], str]
+
+
 def lower_to_aten(
     gm: fx.GraphModule,
     key: str,
@@ -79,6 +83,8 @@ def lower_to_aten(
     header: str,
     copy_into: list[int | None],
     fused_updates: bool = False,
+    transform: SourceTransform | None = None,
+    contiguous: Callable[[list[Any]], bool] | None = None,
 ) -> LoweredStep:
     """Generate, cache and load the step module. Rewrites ``gm`` (write-backs).
 
@@ -89,6 +95,8 @@ def lower_to_aten(
     that, and strides are not guarded); the plain one otherwise. Before
     that, ``fused_updates`` (opt-in) replaces AdamW / SGD-momentum chains by
     torch's fused kernels (fused_updates.py: within 1e-6 of eager, not bitwise).
+    ``transform`` rewrites each module's source before it is cached and run (with
+    ``contiguous`` deciding between them from the arguments: list_mode.py).
     """
     kept = schedule_writebacks(gm, copy_into)
     plain_graph = fx.Graph(owning_module=gm)
@@ -96,7 +104,7 @@ def lower_to_aten(
     call_kernels_directly(plain_graph)
     call_tensor_methods(plain_graph)
     keep_collective_inputs_alive(plain_graph)
-    plain = plain_graph.python_code(root_module="self")
+    plain = _transformed(plain_graph, transform)
     graph = fx.Graph(owning_module=gm)
     graph.output(graph.graph_copy(gm.graph, {}))
     fused = fuse_updates(graph) if fused_updates else []
@@ -108,18 +116,33 @@ def lower_to_aten(
     if not fused and not done and not reused:
         module, path, body, from_disk = _load(cache, key, header, plain)
         return LoweredStep(_runner(module.forward, gm), path, key, from_disk, body, kept)
-    fast, path, body, from_disk = _load(cache, key, header, graph.python_code(root_module="self"))
+    fast, path, body, from_disk = _load(cache, key, header, _transformed(graph, transform))
     fast_forward, plain_forward = fast.forward, None
+    is_contiguous = contiguous or _all_contiguous
 
     def run(args: list[Any]) -> tuple[torch.Tensor, ...]:
         nonlocal plain_forward
-        if all(a.is_contiguous() for a in args if isinstance(a, torch.Tensor)):
+        if is_contiguous(args):
             return fast_forward(gm, *args)
         if plain_forward is None:  # built on first need: most runs never see a strided tensor
             plain_forward = _load(cache, key, header, plain)[0].forward
         return plain_forward(gm, *args)
 
     return LoweredStep(run, path, key, from_disk, body, kept, reinplaced=done, fused=fused)
+
+
+def _all_contiguous(args: list[Any]) -> bool:
+    return all(a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
+
+
+def _transformed(graph: fx.Graph, transform: SourceTransform | None) -> PythonCode:
+    code = graph.python_code(root_module="self")
+    if transform is None:
+        return code
+    names = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+    code.src = transform(code.src, names)
+    code.globals.setdefault("torch", torch)
+    return code
 
 
 def call_kernels_directly(graph: fx.Graph) -> None:

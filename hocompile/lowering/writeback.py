@@ -23,37 +23,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..registry import family_of
+from ..graph import is_fallible  # noqa: F401  (re-exported: reinplace and the runtime read it here)
 
 aten = torch.ops.aten
-
-# Ops that raise on their input's values (torch.linalg.LinAlgError), not only on shapes.
-FALLIBLE: frozenset[str] = frozenset(
-    {
-        "aten::_linalg_eigh",
-        "aten::linalg_eigh",
-        "aten::_linalg_svd",
-        "aten::linalg_svd",
-        "aten::linalg_cholesky",
-        "aten::linalg_cholesky_ex",
-        "aten::linalg_inv",
-        "aten::linalg_inv_ex",
-        "aten::linalg_solve",
-        "aten::_linalg_solve_ex",
-        "aten::linalg_eig",
-        "aten::linalg_eigvalsh",
-        "aten::_linalg_check_errors",
-    }
-)
-
-
-def is_fallible(node: fx.Node) -> bool:
-    """An aten op in FALLIBLE, or a registered op whose family says it may raise on its data."""
-    family = family_of(node)
-    if family is not None:
-        return family.fallible
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.name in FALLIBLE
 
 
 def write_fence(gm: fx.GraphModule) -> fx.Node | None:

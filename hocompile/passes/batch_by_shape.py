@@ -115,6 +115,17 @@ class BatchByShape(Pass):
         batched = sum(len(v) for v in groups.values() if len(v) > 1)
         return PassResult(gm, True, f"{batched} ops in {made} batched op(s)", declined)
 
+    def stacks_anything(self, gm: fx.GraphModule) -> bool:
+        """Whether some call of ``gm`` is one this pass stacks where it meets another of its key.
+
+        A stamped step (classes/stamp.py) asks, of its representatives' graph: each call
+        there stands for every member of its class, which a step traced whole would stack.
+        """
+        calls = [(node, family) for node, family in registered_calls(gm.graph) if family.batch is not None]
+        if not (self.force or self.target.prefers_batched):
+            calls = [(n, f) for n, f in calls if self.per_matrix_threads and _threads_pay(n, f)]
+        return bool(calls)
+
 
 def _independent(chunk: list[tuple[fx.Node, Any]]) -> tuple[list[tuple[fx.Node, Any]], list[fx.Node]]:
     """The members no other kept member depends on; a stack of dependent calls is a cycle."""

@@ -20,21 +20,27 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..capture import CapturedStep, capture
+from ..capture import CapturedStep, capture, host_env
+from ..classes.stamp import Stamp, stamp_capture
 from ..diskcache import DiskCache
 from ..distributed.check import check_collectives_agree, check_replicated, rank0_target
 from ..distributed.replicated import resolve_group
 from ..distributed.sharded import is_dtensor
 from ..graph import decisions, graph_stats, print_graph
+from ..host_state import HostSlot
 from ..lowering import LoweredStep, cache_key, lower_to_aten
+from ..lowering.class_programs import Program, lower_programs, split_programs
 from ..lowering.triton import lower_to_triton
 from ..lowering.triton.ns_scheduled import schedule_formats
 from ..lowering.writeback import write_fence
-from ..passes import Pass, PassRecord, default_pipeline, run_pipeline
+from ..passes import BatchByShape, Pass, PassRecord, default_pipeline, run_pipeline
 from ..passes.dist_ownership import DistOwnership
 from ..passes.route_sharded import require_routed, with_route_sharded
+from ..passes.stack_members import StackMembers
 from ..settings import Backend, Distributed, Settings
 from ..targets import Target, device_arch, resolve_target
+from . import warm
+from .stamped import StampedRun, broken_guard, build_run
 from .step_graph import GraphedStep
 
 log = logging.getLogger("hocompile")
@@ -63,6 +69,13 @@ class CompiledStep:
     # The lowered step writes nothing back before its last fallible op (eigh, SVD):
     # a LinAlgError it raises leaves params and state as they were (writeback.py).
     fenced: bool = False
+    # Set when the step was traced on one representative per parameter class (classes/stamp.py):
+    # ``captured`` and ``gm`` are the representatives' step; else why it was traced whole.
+    stamp: Stamp | None = None
+    stamp_note: str = ""
+    programs: tuple[Program, list[Program]] | None = None  # the shared part's program and one per class
+    stamped: StampedRun | None = None  # once lowered: the programs the runtime runs per member
+    warm: str = ""  # loaded from this warm-start record instead of traced (warm.py)
 
 
 def params_device(opt: torch.optim.Optimizer) -> torch.device:
@@ -143,12 +156,17 @@ def compile_step(
     pipeline: tuple[Pass, ...] | None = None,
     lower: bool = True,
     dump_dir: Path | None = None,
+    lifted: frozenset[HostSlot] = frozenset(),
+    warm_start: bool = False,
 ) -> CompiledStep:
     """Capture ``opt``'s step, run the passes and (``lower``) generate and load the step module.
 
     ``pipeline``: the passes to run (default: :func:`step_pipeline`'s);
     ``dump_dir``: where the graphs before/after each pass, the lowered
-    module and its kernels are written.
+    module and its kernels are written; ``lifted``: Python numbers the step
+    is known to rewrite (host inputs: they do not split parameter classes);
+    ``warm_start``: load the step from the cache directory's warm-start
+    records where one fits (warm.py), and keep a record of what is compiled.
     """
     device = params_device(opt)
     backend = resolve_backend(settings, device)
@@ -164,25 +182,133 @@ def compile_step(
     shared = shared_target(opt, pipeline)
     with COMPILE_LOCK:  # one compile at a time per process (see COMPILE_LOCK)
         start = time.perf_counter() - planning  # waiting for another compile is not this one's time
-        with torch.no_grad():
-            captured = capture(opt, settings.structural_keys)
-        if captured.sharded:  # DTensors: each NS routed to an owner or run tensor-parallel (route_sharded.py)
-            pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode, shared)
-        pass_start = time.perf_counter()
-        gm, records = run_pipeline(captured.gm, pipeline, settings.disabled_passes, dump_dir)
-        if captured.sharded:
-            require_routed(gm)
-        pass_seconds = time.perf_counter() - pass_start
-        final = print_graph(gm)
-        step = CompiledStep(captured, gm, records, target, final, decisions(gm), graph_stats(gm), pass_seconds)
+        key = _warm_key(opt, settings, pipeline, lifted, lower and warm_start)
+        loaded = _warm_step(opt, settings, key, pipeline, backend, device) if key else None
+        if loaded is not None:
+            loaded.target, loaded.seconds = target, time.perf_counter() - start
+            return loaded
+        stamped = _stamped(opt, settings, backend, pipeline, lifted, dump_dir, planning=not lower)
+        if isinstance(stamped, CompiledStep):
+            step = stamped
+        else:
+            with torch.no_grad():
+                captured = capture(opt, settings.structural_keys)
+            if captured.sharded:  # DTensors: each NS routed to an owner or run tensor-parallel (route_sharded.py)
+                pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode, shared)
+            step = _run_passes(captured, pipeline, settings, dump_dir)
+            step.stamp_note = stamped
+        step.target = target
         if settings.debug >= 2:
-            log.debug("hocompile final graph:\n%s", final)
+            log.debug("hocompile final graph:\n%s", step.final_graph)
+        record = warm.encode_step(step, key) if key else None  # before lowering rewrites the graphs
         if lower:
             _lower(step, opt, settings, pipeline, backend, device, dump_dir)
+            if record is not None:
+                warm.write(settings, key, record)
     step.seconds = time.perf_counter() - start
     if lower:  # outside COMPILE_LOCK: it waits for the other ranks (threads, in tests) to compile too
         check_replicated(opt, step.gm)  # distributed/check.py: a no-op unless dist-ownership planned the step
         check_collectives_agree(step.gm, device)  # every rank issues the same collectives (a no-op without)
+    return step
+
+
+def _warm_key(
+    opt: torch.optim.Optimizer, settings: Settings, pipeline: tuple[Pass, ...], lifted: frozenset[HostSlot], ok: bool
+) -> str:
+    """The warm-start key, or '' where no record is read or kept (planning only, DTensors, several ranks)."""
+    if not (ok and settings.warm_start) or settings.distributed == Distributed.REPLICATED:
+        return ""
+    if any(is_dtensor(p) for g in opt.param_groups for p in g["params"]):
+        return ""
+    return warm.warm_key(opt, settings, pipeline, lifted)
+
+
+def _warm_step(
+    opt: torch.optim.Optimizer,
+    settings: Settings,
+    key: str,
+    pipeline: tuple[Pass, ...],
+    backend: str,
+    device: torch.device,
+) -> CompiledStep | None:
+    """A step loaded from a warm-start record whose guards hold now, lowered; None if there is none."""
+    for path, record in warm.load(opt, settings, key):
+        try:
+            step = warm.rebuild(record, CompiledStep)
+            _lower(step, opt, settings, pipeline, backend, device, None)
+        except Exception as exc:  # a record this build cannot use: compile afresh
+            log.info("hocompile: warm-start record %s not usable (%s: %s)", path.name, type(exc).__name__, exc)
+            warm.discard(path)
+            continue
+        env = host_env(opt, step.captured)
+        if step.stamped is not None:
+            broken = broken_guard(opt, step.stamped, env)
+        else:
+            broken = next((g for g in step.captured.guards if not g.holds(env)), None)
+        if broken is None:
+            step.warm = str(path)
+            return step
+    return None
+
+
+def with_stack_members(pipeline: tuple[Pass, ...], stamp: Stamp, settings: Settings) -> tuple[Pass, ...]:
+    """``pipeline`` with stack-members last, planning for the classes of ``stamp`` on the pipeline's target."""
+    target = next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
+    if target is None:
+        return pipeline
+    members = tuple(((c.group, c.rep), len(c.members)) for c in stamp.classes)
+    cap = settings.max_batch or StackMembers.max_batch
+    return (*pipeline, StackMembers(target=target, members=members, max_batch=cap, cache_dir=settings.cache_dir))
+
+
+def _run_passes(
+    captured: CapturedStep, pipeline: tuple[Pass, ...], settings: Settings, dump_dir: Path | None
+) -> CompiledStep:
+    pass_start = time.perf_counter()
+    gm, records = run_pipeline(captured.gm, pipeline, settings.disabled_passes, dump_dir)
+    if captured.sharded:
+        require_routed(gm)
+    pass_seconds = time.perf_counter() - pass_start
+    return CompiledStep(captured, gm, records, None, print_graph(gm), decisions(gm), graph_stats(gm), pass_seconds)
+
+
+def _stamped(
+    opt: torch.optim.Optimizer,
+    settings: Settings,
+    backend: str,
+    pipeline: tuple[Pass, ...],
+    lifted: frozenset[HostSlot],
+    dump_dir: Path | None,
+    planning: bool = False,
+) -> CompiledStep | str:
+    """The step compiled on one representative per parameter class (classes/stamp.py), or why it is
+    traced whole. The passes run on the representatives' graph; the result must still be one
+    program per member (a pass that combines calls of several params, batch-by-shape on a GPU
+    target, makes it a whole trace). ``planning`` (hocompile.plan: nothing runs): the passes that
+    combine calls across params are left out, and plan.py reports stacking and owners per class."""
+    if not settings.stamp:
+        return "stamping is off (stamp=False / HOCOMPILE_STAMP=0)"
+    if planning:
+        pipeline = tuple(p for p in pipeline if not isinstance(p, (BatchByShape, DistOwnership)))
+    elif backend != "aten":
+        return f"the {backend} backend compiles a step traced whole (class programs run on the aten lowering)"
+    elif any(p.name == DistOwnership.name for p in pipeline):
+        return "distributed='replicated' plans owners across all matrices: traced whole"
+    with torch.no_grad():
+        found = stamp_capture(opt, settings.structural_keys, lifted)
+    if isinstance(found, str):
+        return found
+    captured, stamp = found
+    if not planning:  # each class's calls may run on stacks of its members (passes/stack_members.py)
+        pipeline = with_stack_members(pipeline, stamp, settings)
+    step = _run_passes(captured, pipeline, settings, dump_dir)
+    enabled = [p for p in pipeline if p.name not in settings.disabled_passes]
+    if any(isinstance(p, BatchByShape) and p.stacks_anything(step.gm) for p in enabled):
+        return "batch-by-shape stacks this target's calls across params: traced whole"
+    programs = split_programs(captured, step.gm, stamp)
+    if isinstance(programs, str):
+        return f"after the passes the step is no longer one program per param ({programs}): traced whole"
+    step.stamp, step.programs = stamp, programs
     return step
 
 
@@ -204,6 +330,10 @@ def _lower(
     captured = step.captured
     index_of = {slot: i for i, slot in enumerate(captured.inputs)}
     copy_into = [index_of[a.slot] if a.mode == "copy" else None for a in captured.outputs]
+    if step.stamp is not None:  # one program per class and one for the shared part (class_programs.py)
+        _lower_stamped(step, f"{identity};backend={backend};{statuses}", header, settings)
+        step.lower_seconds = time.perf_counter() - start
+        return
     # Only the aten lowering fences its write-backs (the Triton wrapper places its own).
     step.fenced = backend == "aten" and write_fence(step.gm) is not None
     if backend == "triton":
@@ -217,6 +347,25 @@ def _lower(
         for kernel in step.lowered.kernels:
             (dump_dir / "kernels").mkdir(exist_ok=True)
             (dump_dir / "kernels" / f"{kernel.name}.py").write_text(kernel.source)
+
+
+def _lower_stamped(step: CompiledStep, identity: str, header: str, settings: Settings) -> None:
+    assert step.stamp is not None
+    assert step.programs is not None
+    shared, programs = step.programs
+    has_work = shared.outputs or shared.exports
+    lowered = ([shared] if has_work else []) + programs
+    lower_programs(lowered, identity, DiskCache(settings.cache_dir), header, settings.fused_updates)
+    step.stamped = build_run(step.captured, step.stamp, shared, programs)
+    parts = [p.lowered for p in lowered if p.lowered is not None]
+
+    def run(args: list[object]) -> tuple[torch.Tensor, ...]:
+        raise AssertionError("a stamped step runs its programs per member (runtime/stamped.py)")
+
+    source = "\n\n".join(part.source for part in parts)
+    step.lowered = LoweredStep(run, parts[0].path, step.key, all(p.from_disk for p in parts), source, [])
+    step.lowered.reinplaced = [r for part in parts for r in part.reinplaced]
+    step.lowered.fused = [f for part in parts for f in part.fused]
 
 
 def _lower_triton(

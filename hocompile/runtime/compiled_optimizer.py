@@ -43,7 +43,9 @@ from .entries import (
     host_env,
     run_entry,
 )
+from .fast_guard import FastGuard
 from .guards import Signature, describe_change, signature
+from .stamped import broken_guard
 from .validate import UnsupportedParameterError, validate
 from .verify import run_step
 
@@ -100,6 +102,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # init): the next step needs the steady-state graph, which is expected
         # and not counted as a recompile.
         self._created_state = False
+        # The last step's signature, checked without recomputing it (fast_guard.py).
+        self._fast: FastGuard | None = None
 
     # -- the wrapped optimizer's own objects -------------------------------
     @property
@@ -242,8 +246,13 @@ class CompiledOptimizer(torch.optim.Optimizer):
             unwrapped_step(self._inner)(self._inner)
             return
         structural = self._settings.structural_keys
-        sig = signature(self._inner, structural, self._lifted)
-        candidates = self._entries.get(sig, [])
+        fast = self._fast
+        if fast is not None and fast.holds(self._inner):  # the signature of the last step, unchanged
+            sig, candidates = fast.sig, fast.candidates
+        else:
+            fast = None
+            sig = signature(self._inner, structural, self._lifted)
+            candidates = self._entries.get(sig, [])
         env: dict[str, float] | None = None
         entry: CompiledEntry | None = None
         failed_guard = ""
@@ -253,7 +262,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 entry = candidate
                 break
             env = self._host_env(candidate.captured)
-            broken = next((g for g in candidate.captured.guards if not g.holds(env)), None)
+            if candidate.stamped is not None:  # per member too (runtime/stamped.py)
+                broken = broken_guard(self._inner, candidate.stamped, env)
+            else:
+                broken = next((g for g in candidate.captured.guards if not g.holds(env)), None)
             if broken is None:
                 entry = candidate
                 break
@@ -281,8 +293,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
             entry = self._compile(sig, reason, expected, variant)
             sig = signature(self._inner, structural, self._lifted)
             env = None
+            fast = None
         else:
             self.counters.cache_hits += 1
+        if fast is None and entry.captured is not None and not entry.fallback and sig in self._entries:
+            self._fast = FastGuard(self._inner, sig, structural, self._lifted, self._entries[sig])
         self._last_signature = sig
         self._created_state = False
         self.steps += 1
@@ -376,7 +391,14 @@ class CompiledOptimizer(torch.optim.Optimizer):
         dump = self._settings.dump_dir
         dump_here = dump / f"compile-{self.counters.compiles + 1:03d}" if dump is not None else None
         try:
-            step = compile_step(self._inner, self._settings, pipeline=self.pipeline, dump_dir=dump_here)
+            step = compile_step(
+                self._inner,
+                self._settings,
+                pipeline=self.pipeline,
+                dump_dir=dump_here,
+                lifted=self._lifted,
+                warm_start=True,
+            )
         except CaptureError as exc:
             return self._eager_entry(sig, reason, expected, exc)
         assert step.lowered is not None
@@ -393,11 +415,23 @@ class CompiledOptimizer(torch.optim.Optimizer):
             decisions=step.decisions,
             final_stats=step.final_stats,
             fenced=step.fenced,
+            stamped=step.stamped,
+            stamp_note=step.stamp_note,
+            warm=step.warm,
         )
+        if step.warm:
+            self.counters.warm_starts += 1
         log.info("hocompile: compiled in %.2f s (cache key %s)", entry.compile_seconds, step.key[:16])
         return self._remember(sig, entry, expected, variant)
 
+    def _forget(self, entry: CompiledEntry) -> None:
+        """Never select ``entry`` again (a stale warm-start record: runtime/verify.py)."""
+        for candidates in self._entries.values():
+            candidates[:] = [c for c in candidates if c is not entry]
+        self._fast = None
+
     def _remember(self, sig: Signature, entry: CompiledEntry, expected: bool, variant: bool = False) -> CompiledEntry:
+        self._fast = None  # built again for the signature the next step finds
         if variant:
             self.counters.variants.append(entry.reason)
             log.info("hocompile: compiling another branch outcome of %s: %s", type(self._inner).__name__, entry.reason)
@@ -405,10 +439,13 @@ class CompiledOptimizer(torch.optim.Optimizer):
             self.counters.recompiles.append(entry.reason)
             log.info("hocompile: recompiling %s: %s", type(self._inner).__name__, entry.reason)
         self.counters.compiles += 1
-        if entry.captured is not None and not self._lifted.issuperset(entry.captured.lifted):
+        lifted = frozenset(entry.captured.lifted) if entry.captured is not None else frozenset()
+        if entry.stamped is not None:  # a representative's Python state stands for its class's members
+            lifted = frozenset(s for slot in lifted for s in entry.stamped.stamp.member_slots(slot))
+        if not self._lifted.issuperset(lifted):
             # The step rewrites Python numbers it had not been seen to: from now
             # on they are host inputs, and the signature leaves their values out.
-            self._lifted |= frozenset(entry.captured.lifted)
+            self._lifted |= lifted
             sig = signature(self._inner, self._settings.structural_keys, self._lifted)
         self._entries.setdefault(sig, []).append(entry)
         self.history.append(entry)

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from ..capture import CapturedStep, slot_tensor
+from ..capture import CapturedStep, host_env, slot_tensor
 from ..distributed.sharded import like_param, local_tensor
-from ..host_scalars import is_float
 from ..host_state import MISSING
 from ..lowering import LoweredStep
 from ..passes import PassRecord
+from .stamped import StampedRun, run_stamped
 from .verify import Verification
 
 # Attributes GradScaler sets on an optimizer whose step supports AMP scaling.
@@ -48,7 +48,7 @@ class LinAlgFallbackWarning(UserWarning):
     """An eigh/SVD in a compiled step did not converge; that step ran eagerly (with its retries)."""
 
 
-_COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles", "variants")
+_COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles", "variants", "warm_starts")
 
 
 @dataclass
@@ -64,6 +64,8 @@ class Counters(Mapping[str, Any]):
     # Compiles of another outcome of a host-selected branch (a guard on a Python
     # number such as ``step % k == 0``): expected, one per outcome, not recompiles.
     variants: list[str] = field(default_factory=list)
+    # Compiled steps loaded from the cache directory's warm-start records instead of traced.
+    warm_starts: int = 0
 
     def __getitem__(self, key: str) -> Any:
         if key not in _COUNTER_KEYS:
@@ -84,6 +86,7 @@ class Counters(Mapping[str, Any]):
             "eager_fallbacks": self.eager_fallbacks,
             "recompiles": list(self.recompiles),
             "variants": list(self.variants),
+            "warm_starts": self.warm_starts,
         }
 
 
@@ -104,23 +107,12 @@ class CompiledEntry:
     final_stats: dict[str, int] = field(default_factory=dict)
     verification: Verification = field(default_factory=Verification)  # verify=N: steps checked against eager
     fenced: bool = False  # a LinAlgError it raises has written nothing (compile_step.CompiledStep.fenced)
-
-
-def host_env(opt: torch.optim.Optimizer, captured: CapturedStep) -> dict[str, Any]:
-    """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
-    env: dict[str, Any] = {}
-    for g, group in enumerate(opt.param_groups):
-        for key, value in group.items():
-            if is_float(value):
-                env[f"g{g}.{key}"] = value
-            elif isinstance(value, (tuple, list)) and value and is_float(value[0]):
-                for i, v in enumerate(value):
-                    env[f"g{g}.{key}[{i}]"] = v
-    for counter in captured.counters:
-        env[counter.name] = slot_tensor(opt, counter.slot).item()
-    for slot in captured.lifted:
-        env[slot.name()] = slot.read(opt)
-    return env
+    # Traced on one representative per parameter class (classes/stamp.py): how its programs run per
+    # member; else None, and ``stamp_note`` says why the step was traced whole.
+    stamped: StampedRun | None = None
+    stamp_note: str = ""
+    # Loaded from this warm-start record (warm.py): its first step is checked against eager.
+    warm: str = ""
 
 
 def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> bool:
@@ -129,6 +121,8 @@ def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, A
     assert captured is not None and lowered is not None
     if env is None:
         env = host_env(opt, captured)
+    if entry.stamped is not None:
+        return run_stamped(opt, entry.stamped, env)
     tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
     if captured.sharded:  # DTensors: the module runs on the local shards (their writes land in the DTensors)
         tensors = [local_tensor(t) for t in tensors]

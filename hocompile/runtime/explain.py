@@ -70,6 +70,7 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
         f"  captured: {stats['tensor inputs']} tensor inputs, {stats['host scalars']} host scalars, "
         f"{stats['ops']} ops ({stats['matmuls']} matmuls), {len(cap.outputs)} outputs written back",
     ]
+    lines += _stamping(entry)
     if entry.verification.steps:  # verify=N (runtime/verify.py)
         lines.append(f"  {entry.verification.describe()}" + ("; runs eagerly from then on" if entry.fallback else ""))
     final = entry.final_stats
@@ -123,6 +124,20 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
         lines.append(f"  kernels ({len(lowered.kernels)}; sources: opt.kernels()):")
         lines += [f"    {k.name}  [{k.family}]  {k.origin}" for k in lowered.kernels]
     lines.append(f"  cache key: {entry.lowered.key[:16]}")
+    return lines
+
+
+def _stamping(entry: CompiledEntry) -> list[str]:
+    """How the step was traced: per parameter class (classes/stamp.py), or whole and why."""
+    run = entry.stamped
+    if run is None:
+        return [f"  traced whole: {entry.stamp_note}"] if entry.stamp_note else []
+    lines = ["  stamped: " + run.stamp.describe()[0]]
+    for (k, cls), program in zip(enumerate(run.stamp.classes), run.programs):
+        how = "one call over lists of members" if program.list_mode else "one call per member"
+        if program.list_mode_note:
+            how += f" ({program.list_mode_note})"
+        lines.append(f"    c{k}: {cls.describe()}; {how}")
     return lines
 
 

@@ -78,44 +78,57 @@ def signature(
     """``coarse``: every Python number counts as a host input (masked). A step that could
     not be captured is remembered under that, so a counter the step bumps does not make
     hocompile retry (and fail) the capture on every step."""
-
-    def masked(slot: HostSlot, value: Any) -> Any:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return _HOST if slot in lifted or (coarse and number) else _freeze(value)
-
-    def state_value(key: str, g: int, i: int, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):  # the common case, without building a HostSlot
-            return ("tensor",) + _tensor_sig(value)
-        return masked(HostSlot("state", key, g, i), value)
-
-    attributes = tuple(
-        sorted(
-            (k, masked(HostSlot("attr", k), v))
-            for k, v in vars(opt).items()
-            if not k.startswith("_") and k not in _NOT_OPTIONS
-        )
-    )
     groups: list[GroupSig] = []
     for g, group in enumerate(opt.param_groups):
-        options: list[tuple[str, Any]] = []
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if masked(HostSlot("group", key, g), value) is _HOST:
-                options.append((key, _HOST))
-            elif is_hyperparameter(key, value, structural):
-                options.append((key, ("hyper", len(value) if isinstance(value, (tuple, list)) else 0)))
-            else:
-                options.append((key, _freeze(value)))
         params: list[ParamSig] = []
         for i, p in enumerate(group["params"]):
             grad = p.grad
             state = opt.state.get(p, {})
-            frozen = ((k, state_value(k, g, i, v)) for k, v in state.items())
+            frozen = ((k, state_value(k, g, i, v, lifted, coarse)) for k, v in state.items())
             grad_sig = None if grad is None else _tensor_sig(grad)
             params.append(ParamSig(id(p), _tensor_sig(p), grad_sig, tuple(sorted(frozen))))
-        groups.append(GroupSig(tuple(sorted(options, key=lambda kv: kv[0])), tuple(params)))
-    return Signature(attributes, tuple(groups))
+        groups.append(GroupSig(group_options(g, group, structural, lifted, coarse), tuple(params)))
+    return Signature(attributes(opt, lifted, coarse), tuple(groups))
+
+
+def _masked(slot: HostSlot, value: Any, lifted: frozenset[HostSlot], coarse: bool) -> Any:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _HOST if slot in lifted or (coarse and number) else _freeze(value)
+
+
+def state_value(key: str, g: int, i: int, value: Any, lifted: frozenset[HostSlot], coarse: bool = False) -> Any:
+    """One state entry as the signature holds it."""
+    if isinstance(value, torch.Tensor):  # the common case, without building a HostSlot
+        return ("tensor",) + _tensor_sig(value)
+    return _masked(HostSlot("state", key, g, i), value, lifted, coarse)
+
+
+def attributes(opt: torch.optim.Optimizer, lifted: frozenset[HostSlot], coarse: bool = False) -> tuple[Any, ...]:
+    """The optimizer's public attributes as the signature holds them."""
+    return tuple(
+        sorted(
+            (k, _masked(HostSlot("attr", k), v, lifted, coarse))
+            for k, v in vars(opt).items()
+            if not k.startswith("_") and k not in _NOT_OPTIONS
+        )
+    )
+
+
+def group_options(
+    g: int, group: dict[str, Any], structural: frozenset[str], lifted: frozenset[HostSlot], coarse: bool = False
+) -> tuple[tuple[str, Any], ...]:
+    """One param group's options (all but its params) as the signature holds them."""
+    options: list[tuple[str, Any]] = []
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if _masked(HostSlot("group", key, g), value, lifted, coarse) is _HOST:
+            options.append((key, _HOST))
+        elif is_hyperparameter(key, value, structural):
+            options.append((key, ("hyper", len(value) if isinstance(value, (tuple, list)) else 0)))
+        else:
+            options.append((key, _freeze(value)))
+    return tuple(sorted(options, key=lambda kv: kv[0]))
 
 
 def describe_change(old: Signature, new: Signature) -> str:

@@ -160,6 +160,9 @@ class References:
     exact: dict[InputSlot, torch.Tensor] = field(default_factory=dict)  # x: eager's program
     plan: dict[InputSlot, torch.Tensor] = field(default_factory=dict)  # y: the compiled graph
     nominal: dict[InputSlot, torch.Tensor] = field(default_factory=dict)  # z: plan ops at eager's precision
+    # Plan-dependent slots of members a stamped step's check leaves out (reference_classes.py samples
+    # each class: its members run one program, so a wrong program shows on any of them).
+    unsampled: set[InputSlot] = field(default_factory=set)
 
     @staticmethod
     def compute(

@@ -48,6 +48,14 @@ Error model, per tensor:
      eager's error) and sm90's fp8*1+fp16*4 schedule on ≤ 16-row matrices
      (≤ 3.3×); tests/test_verify.py and test_precision_plans.py keep them out.
 
+A stamped step (classes/stamp.py) runs one program per parameter class, so
+its references are computed per class (reference_classes.py) on a sample of
+each class's members (the first, the last and two between): a wrong program
+shows on any member; every member's plan-independent tensors are still
+compared bitwise. A step loaded for a warm start (warm.py) is verified on
+its first step whatever ``verify`` says; there a mismatch deletes the record
+and the next step compiles afresh.
+
 On a mismatch the optimizer is given eager's result for the step (params,
 grads and state tensors), so nothing is left half-updated and training may
 go on; then :class:`VerificationError`, or with ``fallback="eager"`` a
@@ -58,16 +66,20 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..capture import CapturedStep, capture, unwrapped_step
+from ..diskcache import CacheWarning
 from ..graph import InputSlot
 from ..host_state import HostSlot
 from ..settings import Fallback
+from .reference_classes import expand_host_slots, stamped_planned, stamped_references
 from .reference_step import References, plan_dependent_slots
 
 if TYPE_CHECKING:  # for annotations only: compiled_optimizer and entries import this module
@@ -93,6 +105,7 @@ class Verification:
     steps: int = 0
     exact: int = 0  # tensors compared bitwise (or to ulps) on the last verified step
     budgeted: int = 0  # tensors compared against the Newton–Schulz budget
+    unsampled: int = 0  # plan-dependent tensors of members a stamped step's check leaves out
     worst: float = 0.0  # ‖c − x‖ / ‖x − t0‖ of the budgeted tensor closest to its bound
     worst_bound: float = 0.0  # that tensor's bound, same units
     worst_algebra: float = 0.0  # max ‖y − x‖ / ‖x − t0‖
@@ -110,6 +123,8 @@ class Verification:
         text = f"{self.exact} tensor(s) "
         ulps = f"within ulps (max rel diff {self.worst_pointwise:.2g})"
         text += "bitwise equal" if self.worst_pointwise == 0.0 else ulps
+        if self.unsampled:
+            text += f", {self.unsampled} left out (members of classes checked on a sample)"
         if self.budgeted:
             text += (
                 f", {self.budgeted} within the Newton–Schulz budget (max ‖compiled − exact‖ "
@@ -119,31 +134,57 @@ class Verification:
         return text
 
 
+def steps_to_verify(opt: CompiledOptimizer, entry: CompiledEntry) -> int:
+    """``verify=N``, and at least the first step of a step loaded for a warm start (warm.py)."""
+    return max(opt._settings.verify, 1 if entry.warm else 0)
+
+
 def run_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
     """Run ``entry`` on ``opt``; checked against eager while it has run fewer than ``verify`` steps."""
-    if entry.verification.steps >= opt._settings.verify:
+    if entry.verification.steps >= steps_to_verify(opt, entry):
         opt._run(entry, env)
         return
     _verified_step(opt, entry, env)
+
+
+def _stale(opt: CompiledOptimizer, entry: CompiledEntry, why: str) -> None:
+    """A warm-start record that does not match eager: never used again; the next step compiles afresh."""
+    message = f"hocompile: the compiled step loaded from {entry.warm} {why}; discarding it and compiling afresh"
+    log.warning(message)
+    warnings.warn(message, CacheWarning, stacklevel=4)
+    Path(entry.warm).unlink(missing_ok=True)
+    opt._forget(entry)
+    entry.fallback = f"stale warm-start record: {why}"
 
 
 def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
     record = entry.verification
     inner = opt.optimizer
     assert entry.captured is not None and entry.lowered is not None
+    stamped = entry.stamped  # per parameter class (reference_classes.py)
     if record.planned is None:
-        record.planned = plan_dependent_slots(entry)
+        record.planned = stamped_planned(stamped) if stamped is not None else plan_dependent_slots(entry)
+    host_slots = [update.slot for update in entry.captured.host_updates]
+    if stamped is not None:
+        host_slots = expand_host_slots(stamped, host_slots)
     try:
         refs = References()
-        if record.planned:
+        if record.planned and stamped is not None:
+            refs = stamped_references(opt, entry, record.planned)
+        elif record.planned:
             # Read before anything is written: the references and pre-step values
             # come from the real tensors; eager then runs on copies.
             if record.reference is None:
                 record.reference = capture(inner, opt._settings.structural_keys)
             refs = References.compute(opt, entry, record.reference, record.planned)
-        mirror = eager_step(inner, [update.slot for update in entry.captured.host_updates])
+        mirror = eager_step(inner, host_slots)
     except Exception as exc:  # nothing was written yet
         message = f"could not verify compiled step against eager: {type(exc).__name__}: {exc}"
+        if entry.warm:  # a loaded step that cannot be checked is not trusted: this step runs eagerly
+            _stale(opt, entry, f"could not be checked against eager ({type(exc).__name__}: {exc})")
+            opt.counters.eager_fallbacks += 1
+            unwrapped_step(inner)(inner)
+            return
         if opt._settings.fallback != Fallback.EAGER or isinstance(exc, VerificationError):
             raise VerificationError(message) from exc
         log.warning("hocompile: %s; running it eagerly", message)
@@ -160,9 +201,9 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     record.steps += 1
     number = next(k for k, e in enumerate(opt.history, start=1) if e is entry)
     if not problems:
-        if record.steps >= opt._settings.verify:
+        n = steps_to_verify(opt, entry)
+        if record.steps >= n:
             record.reference = None  # the fp64 program is not needed any more
-        n = opt._settings.verify
         log.info("hocompile: compiled step #%d, verified step %d/%d against eager: %s", number, record.steps, n,
                  record.summary())
         return
@@ -171,6 +212,9 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     lines += [f"  {where}: {'; '.join(diffs)}" for where, diffs in problems]
     lines.append("The optimizer holds eager's result for this step (params, grads and state).")
     record.failed = "\n".join(lines)
+    if entry.warm:
+        _stale(opt, entry, "differs from eager on its first step:\n" + "\n".join(lines[1:-1]))
+        return
     if opt._settings.fallback == Fallback.EAGER:
         entry.fallback = "verification against eager failed: " + lines[1].strip()
         opt.counters.eager_fallbacks += 1
@@ -308,7 +352,7 @@ def _compare(
             if any(diffs):
                 shape = "×".join(str(s) for s in p.shape) or "scalar"
                 problems.append((f"param_groups[{g}]['params'][{i}] (shape {shape})", [d for d in diffs if d]))
-    record.exact, record.budgeted = check.exact_count, check.budgeted
+    record.exact, record.budgeted, record.unsampled = check.exact_count, check.budgeted, check.unsampled
     record.worst_pointwise = max(record.worst_pointwise, check.worst_pointwise)
     record.worst_algebra = max(record.worst_algebra, check.worst_algebra)
     if check.budgeted and (not record.worst_bound or check.worst_share > record.worst / record.worst_bound):
@@ -321,7 +365,7 @@ class _Checker:
 
     def __init__(self, planned: frozenset[InputSlot], refs: References, units: float) -> None:
         self.planned, self.refs, self.units = planned, refs, units
-        self.exact_count = self.budgeted = 0
+        self.exact_count = self.budgeted = self.unsampled = 0
         self.worst = self.worst_bound = self.worst_share = self.worst_algebra = self.worst_pointwise = 0.0
 
     def __call__(self, what: str, slot: InputSlot, got: Any, want: Any) -> str:
@@ -334,6 +378,9 @@ class _Checker:
             return "" if same else f"{what} is {got!r}, eager's is {want!r}"
         if got.shape != want.shape or got.dtype != want.dtype:
             return f"{what} is {got.dtype} {tuple(got.shape)}, eager's is {want.dtype} {tuple(want.shape)}"
+        if slot in self.refs.unsampled:
+            self.unsampled += 1
+            return ""
         if slot in self.planned:
             return self._budget(what, slot, got, want)
         return self._pointwise(what, got, want)

@@ -1,0 +1,168 @@
+"""stack-members: a stamped class's Newton–Schulz calls run on stacks of its members.
+
+In a stamped step (classes/stamp.py) one call stands for every member of its
+class. Thousands of small matrices (a MoE's experts) make one call per member
+host-bound: a bf16 48×128 NS costs ~2 ms one by one here and ~0.2 ms per
+matrix in a stack of 64. This pass decides, per call and on the CPU that runs
+it, whether its members run stacked, ``k`` per call: it times one call per
+member against one call per stack of ``k`` (the planned op as it will run,
+interleaved, min of a few rounds), and stacks only where that is faster
+**and** computes the very same bits (checked on random inputs at ``k`` and a
+smaller stack, since a batched GEMM may take another kernel than one GEMM).
+So a stamped step that stacks is bitwise the one that does not, and the step
+traced whole. The answer is cached per CPU, op and shape.
+
+Before (one member's program)::
+
+    t5 = hocompile.newton_schulz(t4, ...)  # choose-algorithm: standard bf16
+
+After (the same node, a decision the list-mode lowering reads)::
+
+    t5 = hocompile.newton_schulz(t4, ...)  # ...; stack-members: 64 members per call, 0.2 ms vs 2.1 ms each
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+
+from .. import dtypes
+from ..decisions import Alternative, Decision, decisions_of, format_seconds, record
+from ..diskcache import read_json, write_json
+from ..graph import ROLE, InputSlot
+from ..registry import registered_calls
+from ..targets import Target, cpu_id
+from .base import Pass, PassResult, with_declines
+from .measure_ns import intra_op_threads
+
+STACK_VERSION = 1
+ROUNDS = 3
+MARGIN = 0.9  # a stack must be 10 % faster than one call per member: closer is noise
+MIN_MEMBERS = 4  # fewer members gain nothing from a stack worth measuring
+
+# Members of a class, by its representative (group, index): what a call of that member stands for.
+Members = tuple[tuple[tuple[int, int], int], ...]
+
+
+def _threads(node: fx.Node) -> int:
+    chosen = [d.chose["threads"] for d in decisions_of(node) if "threads" in d.chose]
+    return chosen[-1] if chosen and isinstance(chosen[-1], int) else 0
+
+
+@dataclass(frozen=True)
+class StackMembers(Pass):
+    name: ClassVar[str] = "stack-members"
+    target: Target = field(default_factory=lambda: Target("unset"))
+    members: Members = ()
+    max_batch: int = 64
+    max_stack_bytes: int = 64 * 2**20
+    cache_dir: Path | None = None
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        if not self.target.measured:
+            return PassResult(gm, False, self.decline(f"{self.target.name} is not this machine: nothing to time"))
+        count = dict(self.members)
+        owner = _owners(gm)
+        made, declined = 0, []
+        for node, family in registered_calls(gm.graph):
+            if family.batch is None or family.name != "newton_schulz":
+                continue
+            n = count.get(owner.get(node, (-1, -1)), 1)
+            if n < MIN_MEMBERS:
+                declined.append(f"{node.name}: {n} member(s)")
+                continue
+            val = node.meta["val"]
+            if val.dim() != 2:
+                declined.append(f"{node.name}: already batched")
+                continue
+            size = 2 * int(val.numel() * val.element_size())
+            k = max(1, min(n, self.max_batch, self.max_stack_bytes // max(1, size)))
+            decision = self._decide(node, family, k)
+            record(node, decision)
+            made += bool(decision.chose)
+            if not decision.chose:
+                declined.append(f"{node.name}: {decision.why}")
+        if not made:
+            reason = declined[0] if declined else "no Newton–Schulz call of a class with members to stack"
+            return PassResult(gm, False, self.decline(reason), declined)
+        return PassResult(gm, True, with_declines(f"{made} call(s) stacked over their class's members", declined))
+
+    def _decide(self, node: fx.Node, family: Any, k: int) -> Decision:
+        spec = family.spec_of(node)
+        (name,) = spec.tensor_fields()
+        x = spec.node_of(name).meta["val"]
+        threads = _threads(node)
+        # Host scalars (eps) as the values the capture saw: what the op computes does not depend on them.
+        values = {f: v.meta["val"] for f in spec.field_names() if isinstance(v := getattr(spec, f), fx.Node)}
+        concrete = spec.replace(**values)
+
+        def call(t: torch.Tensor) -> torch.Tensor:
+            with intra_op_threads(threads):
+                return family.op(*concrete.replace(**{name: t}).to_args())  # type: ignore[no-any-return]
+
+        text = f"{STACK_VERSION};{cpu_id()};{family.name};{concrete.replace(**{name: None})!r};{tuple(x.shape)}"
+        key = hashlib.sha256(f"{text};{x.dtype};{k};{threads}".encode()).hexdigest()[:24]
+        path = self.cache_dir / f"stack-{key}.json" if self.cache_dir is not None else None
+        found = read_json(path, _parse) if path is not None else None
+        if found is None:
+            found = _measure(call, tuple(x.shape), x.dtype, k)
+            if path is not None:
+                write_json(path, found)
+        loop_s, stacked_s, same = found["loop_s"], found["stacked_s"], found["bitwise"]
+        each = f"{format_seconds(stacked_s)} vs {format_seconds(loop_s)} per member one by one"
+        one_by_one = Alternative("one call per member", loop_s)
+        if not same:
+            return Decision(self.name, {}, why=f"a stack of {k} rounds differently here ({each})")
+        if stacked_s > MARGIN * loop_s:
+            why = f"a stack of {k} is not faster here ({each})"
+            return Decision(self.name, {}, why=why, alternatives=(one_by_one,))
+        return Decision(
+            self.name, {"stack": k}, f"{k} members per call", stacked_s, alternatives=(one_by_one,),
+            why=f"measured here, bitwise one call per member's ({dtypes.name(x.dtype)}[{x.shape[0]}, {x.shape[1]}])",
+        )
+
+
+def _parse(data: Any) -> dict[str, Any]:
+    return {"loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"])}
+
+
+def _owners(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
+    """Each node reading exactly one member's inputs: that member (the representative of its class)."""
+    deps: dict[fx.Node, frozenset[tuple[int, int]]] = {}
+    for node in gm.graph.nodes:
+        role = node.meta.get(ROLE)
+        if node.op == "placeholder":
+            member = isinstance(role, InputSlot) and role.kind in ("param", "grad", "state")
+            deps[node] = frozenset([(role.group, role.index)] if member else [])
+        else:
+            deps[node] = frozenset().union(*(deps.get(a, frozenset()) for a in node.all_input_nodes))
+    return {n: next(iter(d)) for n, d in deps.items() if len(d) == 1}
+
+
+def _measure(
+    call: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...], dtype: Any, k: int
+) -> dict[str, Any]:
+    """Per-member seconds one by one and in a stack of ``k``, and whether both give the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(k)]
+    same = all(
+        torch.equal(torch.stack([call(x) for x in xs[:m]]), call(torch.stack(xs[:m])))
+        for m in sorted({k, max(1, k // 2 + 1), 1})
+    )
+    loop_s = stacked_s = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for x in xs:
+            call(x)
+        loop_s = min(loop_s, (time.perf_counter() - start) / k)
+        start = time.perf_counter()
+        call(torch.stack(xs)).unbind(0)
+        stacked_s = min(stacked_s, (time.perf_counter() - start) / k)
+    return {"loop_s": loop_s, "stacked_s": stacked_s, "bitwise": same}
