@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -38,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import traced_collectives
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
+from .executed_files import ExecutedFiles
 from .graph import InputSlot, graph_stats
 from .host_scalars import (
     CaptureError,
@@ -370,36 +368,6 @@ def capture(
     except Exception as exc:
         what = f"{type(opt).__name__}.step: {type(exc).__name__}: {exc}"
         raise CaptureError(f"internal error while capturing {what}") from exc
-
-
-class ExecutedFiles:
-    """The files of every Python function called while it is entered (``sys.setprofile``),
-    except torch's and hocompile's own (their versions key the cache already)."""
-
-    _INTERNAL = (
-        os.path.dirname(torch.__file__),
-        os.path.dirname(os.path.abspath(__file__)),
-        sysconfig.get_paths()["stdlib"],  # Python's own: its version keys the cache too
-    )
-
-    def __init__(self) -> None:
-        self._codes: set[Any] = set()
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            self._codes.add(frame.f_code)
-
-    def __enter__(self) -> ExecutedFiles:
-        self._saved = sys.getprofile()
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self._saved)
-
-    def files(self) -> tuple[str, ...]:
-        names = {code.co_filename for code in self._codes}
-        return tuple(sorted(n for n in names if not n.startswith(("<", *self._INTERNAL)) and os.path.isfile(n)))
 
 
 def _capture(

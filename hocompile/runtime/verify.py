@@ -66,21 +66,19 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..capture import CapturedStep, capture, unwrapped_step
-from ..diskcache import CacheWarning
 from ..graph import InputSlot
 from ..host_state import HostSlot
 from ..settings import Fallback
 from .reference_classes import expand_host_slots, stamped_planned, stamped_references
 from .reference_step import References, plan_dependent_slots
+from .warm import discard_stale
 
 if TYPE_CHECKING:  # for annotations only: compiled_optimizer and entries import this module
     from .compiled_optimizer import CompiledEntry, CompiledOptimizer
@@ -147,16 +145,6 @@ def run_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any] |
     _verified_step(opt, entry, env)
 
 
-def _stale(opt: CompiledOptimizer, entry: CompiledEntry, why: str) -> None:
-    """A warm-start record that does not match eager: never used again; the next step compiles afresh."""
-    message = f"hocompile: the compiled step loaded from {entry.warm} {why}; discarding it and compiling afresh"
-    log.warning(message)
-    warnings.warn(message, CacheWarning, stacklevel=4)
-    Path(entry.warm).unlink(missing_ok=True)
-    opt._forget(entry)
-    entry.fallback = f"stale warm-start record: {why}"
-
-
 def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
     record = entry.verification
     inner = opt.optimizer
@@ -181,7 +169,7 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     except Exception as exc:  # nothing was written yet
         message = f"could not verify compiled step against eager: {type(exc).__name__}: {exc}"
         if entry.warm:  # a loaded step that cannot be checked is not trusted: this step runs eagerly
-            _stale(opt, entry, f"could not be checked against eager ({type(exc).__name__}: {exc})")
+            discard_stale(opt, entry, f"could not be checked against eager ({type(exc).__name__}: {exc})")
             opt.counters.eager_fallbacks += 1
             unwrapped_step(inner)(inner)
             return
@@ -213,7 +201,7 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     lines.append("The optimizer holds eager's result for this step (params, grads and state).")
     record.failed = "\n".join(lines)
     if entry.warm:
-        _stale(opt, entry, "differs from eager on its first step:\n" + "\n".join(lines[1:-1]))
+        discard_stale(opt, entry, "differs from eager on its first step:\n" + "\n".join(lines[1:-1]))
         return
     if opt._settings.fallback == Fallback.EAGER:
         entry.fallback = "verification against eager failed: " + lines[1].strip()

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import pickle
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 
 from .. import graph_codec
 from ..capture import CapturedStep
-from ..diskcache import atomic_write_bytes, warn_once, warn_unwritable
+from ..diskcache import CacheWarning, atomic_write_bytes, warn_once, warn_unwritable
 from ..graph_codec import CodecError
 from ..host_state import HostSlot
 from ..lowering.class_programs import Program
@@ -220,3 +221,13 @@ def rebuild(record: WarmRecord, step_type: Any) -> Any:
         shared, per_class = record.programs
         step.programs = (_decode_program(shared), [_decode_program(p) for p in per_class])
     return step
+
+
+def discard_stale(opt: Any, entry: Any, why: str) -> None:
+    """A warm-start record that does not match eager: never used again; the next step compiles afresh."""
+    message = f"hocompile: the compiled step loaded from {entry.warm} {why}; discarding it and compiling afresh"
+    log.warning(message)
+    warnings.warn(message, CacheWarning, stacklevel=4)
+    Path(entry.warm).unlink(missing_ok=True)
+    opt._forget(entry)
+    entry.fallback = f"stale warm-start record: {why}"
