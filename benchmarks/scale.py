@@ -191,15 +191,34 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {config} | {row['n_params']} ({row['n_muon']}+{row['n_adamw']}) | {row['footprint_gib']:.2f} "
             f"| {row['layout']} | {fmt(row['first_compile_s'])} | {fmt(row['steady_compile_s'])} "
-            f"| {fmt(row.get('warm_start_s'))} (process {fmt(row['warm'].get('process_s'), '.1f')}) "
+            f"| {fmt(row.get('warm_start_s'))} ({fmt(row['warm'].get('spawn_to_first_step_s'), '.1f')} from spawn) "
             f"| {fmt(row['eager_step_s'] * 1e3, '.1f')} "
             f"| {fmt(row['compiled_step_s'] * 1e3, '.1f')} | {fmt(ratio)}x "
             f"| {row['peak_rss_mib']:.0f} (+{row['rss_increase_mib']:.0f}) | {' / '.join(g)} | {tc_first} | {tc_step} |"
         )
+    lines += ["", "Where the compile time goes (hocompile's own account, summed over the optimizers): capture / "
+              "passes / lowering seconds of the first and the steady-state compile, cold and warm.", "",
+              "| config | first, cold | steady, cold | first, warm | steady, warm |", "|---|---|---|---|---|"]
+    for row in rows:
+        if "compiles" in row:
+            cells = [phases(row["compiles"], i) for i in (0, 1)]
+            cells += [phases(row.get("warm", {}).get("compiles", []), i) for i in (0, 1)]
+            lines.append(f"| {row['config_name']} | " + " | ".join(cells) + " |")
     lines += ["", "Parameter classes of each configuration:", ""]
     for row in rows:
         lines += [f"{row['config_name']}:", "", "```", row["summary"], "```", ""]
     return "\n".join(lines)
+
+
+def phases(compiles: list[dict[str, Any]], number: int) -> str:
+    """capture / passes / lowering seconds of each optimizer's ``number``-th compile, summed."""
+    per_opt: dict[str, list[dict[str, Any]]] = {}
+    for c in compiles:
+        per_opt.setdefault(c["optimizer"], []).append(c)
+    mine = [cs[number] for cs in per_opt.values() if len(cs) > number]
+    if not mine:
+        return "—"
+    return " / ".join(f"{sum(c[k] or 0.0 for c in mine):.2f}" for k in ("capture_s", "passes_s", "lower_s"))
 
 
 def config_name(cfg: dict[str, Any]) -> str:
@@ -263,6 +282,7 @@ def seed_calibration(limit: int) -> Path:
     import tempfile
 
     seed_dir = Path(tempfile.mkdtemp(prefix="hocompile-scale-seed-"))
+    print("calibrating this machine's target once (one tiny compile); every cold cache starts from it", flush=True)
     env = {**os.environ, "HOCOMPILE_CACHE_DIR": str(seed_dir)}
     cfg = {"structure": "small-muon", "n": 1, "scale": None, "layers": None, "experts": "separate", "dtype": "fp32",
            "seed": 0, "layout": "two copies", "steps": 1}
@@ -326,7 +346,9 @@ def plan_markdown(result: dict[str, Any]) -> str:
         "",
     ]
     if "error" in p:
-        return "\n".join(lines + [f"plan failed after {fmt(p.get('seconds'))} s:", "", "```", p["error"], "```", ""])
+        rss = f", RSS {p['last_rss_gib']:.1f} GiB when stopped" if p.get("last_rss_gib") else ""
+        return "\n".join(lines + [f"plan did not complete ({fmt(p.get('seconds'))} s{rss}):", "", "```", p["error"],
+                                   "```", ""])
     lines += [f"plan took {p['seconds']:.2f} s, peak RSS {p['peak_rss_mib']:.0f} MiB (+{p['rss_increase_mib']:.0f}), "
               f"a {p['report_lines']}-line report; its first lines:", "", "```", p["report_head"], "```", ""]
     return "\n".join(lines)
@@ -371,6 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", default="sm90", help="--plan: the target planned for")
     ap.add_argument("--distributed", choices=("auto", "local", "replicated"), help="--plan: passed to plan()")
     ap.add_argument("--plan-timeout", type=float, default=600.0)
+    ap.add_argument("--render", help="only rewrite the .md beside this results JSON from it")
     ap.add_argument("--child", choices=CHILD_ROLES, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -381,6 +404,10 @@ def main() -> None:
     args = parse_args()
     if args.child:
         child_main(args.child, json.loads(args.config), Path(args.out))
+    elif args.render:
+        path = Path(args.render)
+        result = json.loads(path.read_text())
+        path.with_suffix(".md").write_text((plan_markdown if "plan" in result else markdown)(result))
     elif args.plan:
         main_plan(args)
     else:

@@ -48,10 +48,10 @@ def run_child(role: str, cfg: dict[str, Any], env: dict[str, str], timeout_s: fl
     with tempfile.TemporaryDirectory(prefix="hocompile-scale-child-") as tmp:
         out, err = Path(tmp) / "out.json", Path(tmp) / "stderr"
         cmd = [sys.executable, str(SCRIPT), "--child", role, "--config", json.dumps(cfg), "--out", str(out)]
-        start = time.perf_counter()
+        start, spawned_at = time.perf_counter(), time.time()
         with err.open("w") as err_file:
             proc = subprocess.Popen(cmd, env=env, stderr=err_file, start_new_session=True)
-            why = ""
+            why, rss = "", 0
             while proc.poll() is None:
                 time.sleep(0.2)
                 if time.perf_counter() - start > timeout_s:
@@ -67,7 +67,7 @@ def run_child(role: str, cfg: dict[str, Any], env: dict[str, str], timeout_s: fl
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     print(f"  {role}: {why}", flush=True)
-                    return {"error": why, "seconds": time.perf_counter() - start}
+                    return {"error": why, "seconds": time.perf_counter() - start, "last_rss_gib": rss / 2**30}
         wall = time.perf_counter() - start
         if proc.returncode != 0 or not out.exists():
             tail = err.read_text()[-3000:]
@@ -76,6 +76,8 @@ def run_child(role: str, cfg: dict[str, Any], env: dict[str, str], timeout_s: fl
                     "stderr_tail": tail, "seconds": wall}
         result: dict[str, Any] = json.loads(out.read_text())
         result["process_s"] = wall
+        if "first_step_done_at" in result:  # spawn, imports and building included
+            result["spawn_to_first_step_s"] = result["first_step_done_at"] - spawned_at
         return result
 
 
@@ -135,18 +137,32 @@ def _timed(steps: list[Callable[[], Any]]) -> float:
 
 
 def _compile_entries(compiled: list[Any]) -> list[dict[str, Any]]:
-    """What each compile cost, by the library's own account (fields read defensively: internals move)."""
+    """What each compile cost, by the library's own account (fields read defensively: internals move),
+    with its module's cache key and whether it came from disk (a warm start that misses shows why here:
+    the plans differ)."""
     rows = []
     for opt in compiled:
         for entry in getattr(opt, "history", []):
-            captured = getattr(entry, "captured", None)
+            captured, lowered = getattr(entry, "captured", None), getattr(entry, "lowered", None)
             rows.append({
                 "optimizer": type(opt.optimizer).__name__, "reason": getattr(entry, "reason", ""),
                 "compile_s": getattr(entry, "compile_seconds", None),
                 "capture_s": getattr(captured, "trace_seconds", None), "passes_s": getattr(entry, "pass_seconds", None),
                 "lower_s": getattr(entry, "lower_seconds", None), "fallback": getattr(entry, "fallback", ""),
+                "key": str(getattr(lowered, "key", ""))[:24], "from_disk": getattr(lowered, "from_disk", None),
+                "plans": _plans(getattr(entry, "decisions", [])),
             })
     return rows
+
+
+def _plans(decisions: list[str]) -> list[str]:
+    """Each decision line cut to its op and chosen algorithm (predictions and timings dropped)."""
+    plans = []
+    for line in decisions[:50]:
+        chosen = re.search(r"choose-algorithm: ([^,(]+)", line)
+        cached = " (timing cached)" if "(cached)" in line else ""
+        plans.append(f"{line.split(': ')[0]}: {chosen.group(1).strip() if chosen else '?'}{cached}")
+    return plans
 
 
 def _reset_peak() -> None:
@@ -230,11 +246,12 @@ def child_warm(cfg: dict[str, Any]) -> dict[str, Any]:
     rss_before = _status_kib("VmRSS")
     _reset_peak()
     first = _timed(steps)
+    done_at = time.time()
     second = _timed(steps)
     peak = max(_status_kib("VmHWM"), rss_before)
     print(f"  warm start: compiled steps 1, 2: {first:.2f} s, {second:.2f} s", flush=True)
     return {
-        "first_step_s": first, "second_step_s": second, "peak_rss_mib": peak / 1024,
+        "first_step_s": first, "second_step_s": second, "first_step_done_at": done_at, "peak_rss_mib": peak / 1024,
         "rss_increase_mib": (peak - rss_before) / 1024, "compiles": _compile_entries(compiled),
         "counters": [dict(o.counters) for o in compiled],
     }
