@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from benchmarks.structures import build, footprint_bytes, scaled, specs_for, split, summary
+from benchmarks.structures import Layout, build, footprint_bytes, scaled, specs_for, split, summary
 
 # (muon params, adamw params, 2-D matrices in all, 3-D stacks) per structure and layout; structures.py derives them.
 COUNTS = {
@@ -19,7 +19,7 @@ COUNTS = {
 
 
 @pytest.mark.parametrize("structure,experts", sorted(COUNTS))
-def test_counts_at_scale_64_on_meta(structure: str, experts: str) -> None:
+def test_counts_at_scale_64_on_meta(structure: str, experts: Layout) -> None:
     muon, adamw = build(structure, scale=64, experts=experts, device="meta")
     n_muon, n_adamw, matrices, stacks = COUNTS[structure, experts]
     assert (len(muon), len(adamw)) == (n_muon, n_adamw)
