@@ -46,6 +46,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -229,7 +230,6 @@ def config_name(cfg: dict[str, Any]) -> str:
 
 
 def bench_one(cfg: dict[str, Any], args: argparse.Namespace, limit: int, seed_dir: Path) -> dict[str, Any]:
-    import shutil
     import tempfile
 
     specs = specs_for(cfg["structure"], scale=cfg["scale"] or DEFAULT_SCALE, experts=cfg["experts"], n=cfg["n"],
@@ -316,6 +316,7 @@ def main_bench(args: argparse.Namespace) -> None:
         "structure": args.structure, "machine": info, **provenance(), "rows": rows,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
+    shutil.rmtree(seed_dir, ignore_errors=True)
     write_results(result, Path(args.json) if args.json else RESULTS / f"scale_{args.structure}.json", markdown)
 
 
