@@ -167,7 +167,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}` ({result['date']}).",
         "",
         "Times in seconds unless marked; first / steady compile are the wall times of the first and second "
-        "compiled steps (cold cache), warm start the first compiled step of a new process on the same cache; "
+        "compiled steps (cold cache), warm start the first compiled step of a new process on the same cache "
+        "(loading and the step; its check against eager on copies, one eager step and fp64 references, "
+        "counted apart); "
         "steps are medians of interleaved steps; growth is log(t2/t1)/log(N2/N1) against the row above "
         "(first, steady, warm, torch.compile first call); peak RSS is VmHWM over the two compiling steps "
         "(+ its increase). Layout: 'two copies' = eager and compiled on separate params (same grads), "
@@ -192,7 +194,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {config} | {row['n_params']} ({row['n_muon']}+{row['n_adamw']}) | {row['footprint_gib']:.2f} "
             f"| {row['layout']} | {fmt(row['first_compile_s'])} | {fmt(row['steady_compile_s'])} "
-            f"| {fmt(row.get('warm_start_s'))} ({fmt(row['warm'].get('spawn_to_first_step_s'), '.1f')} from spawn) "
+            f"| {fmt(row.get('warm_start_s'))} (+ {fmt(row.get('warm_check_s'))} checking against eager; "
+            f"{fmt(row['warm'].get('spawn_to_first_step_s'), '.1f')} from spawn) "
             f"| {fmt(row['eager_step_s'] * 1e3, '.1f')} "
             f"| {fmt(row['compiled_step_s'] * 1e3, '.1f')} | {fmt(ratio)}x "
             f"| {row['peak_rss_mib']:.0f} (+{row['rss_increase_mib']:.0f}) | {' / '.join(g)} | {tc_first} | {tc_step} |"
@@ -269,7 +272,11 @@ def measure(row: dict[str, Any], cfg: dict[str, Any], cache: Path, args: argpars
     row.update(run)
     warm = run_child("warm", cfg, env, args.timeout, limit)
     row["warm"] = warm
-    row["warm_start_s"] = warm.get("first_step_s")
+    # The loaded steps' first step is also checked against eager on copies (an eager step and the
+    # references): counted apart, the warm start is loading plus the compiled step itself.
+    if warm.get("first_step_s") is not None:
+        row["warm_start_s"] = warm["first_step_s"] - warm.get("first_step_check_s", 0.0)
+        row["warm_check_s"] = warm.get("first_step_check_s", 0.0)
     if not args.no_torch_compile:
         tenv = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
         row["torch_compile"] = run_child("torch-compile", cfg, tenv, args.torch_compile_timeout, limit)
@@ -361,7 +368,7 @@ def main_plan(args: argparse.Namespace) -> None:
     scale = args.scale[0] if args.scale else 1
     cfg = {"structure": args.plan, "scale": scale, "experts": args.experts, "n": args.n[0] if args.n else None,
            "layers": args.layers[0] if args.layers else None, "dtype": args.dtype, "seed": args.seed,
-           "target": args.target, "distributed": args.distributed}
+           "target": args.target, "world": args.world}
     specs = specs_for(args.plan, scale=scale, experts=args.experts, n=cfg["n"], layers=cfg["layers"])
     n_muon = sum(s.optimizer == "muon" for s in specs)
     print(f"machine: {describe_machine(info)}\nplanning {n_muon} Muon params of {args.plan} (scale {scale}) on meta "
@@ -392,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", help="where the JSON goes (the .md goes beside it)")
     ap.add_argument("--plan", choices=STRUCTURES, help="time hocompile.plan of a structure's Muon on meta tensors")
     ap.add_argument("--target", default="sm90", help="--plan: the target planned for")
-    ap.add_argument("--distributed", choices=("auto", "local", "replicated"), help="--plan: passed to plan()")
+    ap.add_argument("--world", type=int, help="--plan: also plan distributed='replicated' owners across WORLD ranks")
     ap.add_argument("--plan-timeout", type=float, default=600.0)
     ap.add_argument("--render", help="only rewrite the .md beside this results JSON from it")
     ap.add_argument("--child", choices=CHILD_ROLES, help=argparse.SUPPRESS)

@@ -149,6 +149,8 @@ def _compile_entries(compiled: list[Any]) -> list[dict[str, Any]]:
                 "compile_s": getattr(entry, "compile_seconds", None),
                 "capture_s": getattr(captured, "trace_seconds", None), "passes_s": getattr(entry, "pass_seconds", None),
                 "lower_s": getattr(entry, "lower_seconds", None), "fallback": getattr(entry, "fallback", ""),
+                "warm": bool(getattr(entry, "warm", "")),
+                "verify_s": getattr(getattr(entry, "verification", None), "seconds", 0.0),
                 "key": str(getattr(lowered, "key", ""))[:24], "from_disk": getattr(lowered, "from_disk", None),
                 "plans": _plans(getattr(entry, "decisions", [])),
             })
@@ -249,10 +251,14 @@ def child_warm(cfg: dict[str, Any]) -> dict[str, Any]:
     done_at = time.time()
     second = _timed(steps)
     peak = max(_status_kib("VmHWM"), rss_before)
-    print(f"  warm start: compiled steps 1, 2: {first:.2f} s, {second:.2f} s", flush=True)
+    entries = _compile_entries(compiled)
+    checked = sum(e["verify_s"] or 0.0 for e in entries if e["reason"] == "first step")
+    print(f"  warm start: compiled steps 1, 2: {first:.2f} s, {second:.2f} s "
+          f"(checking the loaded steps against eager: {checked:.2f} s of step 1)", flush=True)
     return {
-        "first_step_s": first, "second_step_s": second, "first_step_done_at": done_at, "peak_rss_mib": peak / 1024,
-        "rss_increase_mib": (peak - rss_before) / 1024, "compiles": _compile_entries(compiled),
+        "first_step_s": first, "second_step_s": second, "first_step_check_s": checked,
+        "first_step_done_at": done_at, "peak_rss_mib": peak / 1024,
+        "rss_increase_mib": (peak - rss_before) / 1024, "compiles": entries,
         "counters": [dict(o.counters) for o in compiled],
     }
 
@@ -280,8 +286,8 @@ def child_plan(cfg: dict[str, Any]) -> dict[str, Any]:
     _attach(muon, grads)
     (opt,) = _optimizers(muon, [])
     settings: dict[str, Any] = {"target": cfg["target"]}
-    if cfg.get("distributed"):
-        settings["distributed"] = cfg["distributed"]
+    if cfg.get("world"):
+        settings["world"] = cfg["world"]  # the replicated owner plan across that many ranks
     rss_before = _status_kib("VmRSS")
     _reset_peak()
     start = time.perf_counter()
@@ -295,7 +301,7 @@ def child_plan(cfg: dict[str, Any]) -> dict[str, Any]:
     lines = report.splitlines()
     print(f"  plan: {seconds:.2f} s, {len(lines)} lines", flush=True)
     return {"seconds": seconds, "optimizer": type(opt).__name__, "report_lines": len(lines),
-            "report_head": "\n".join(lines[:40]), "peak_rss_mib": peak / 1024,
+            "report_head": "\n".join(lines[:60]), "peak_rss_mib": peak / 1024,
             "rss_increase_mib": (peak - rss_before) / 1024}
 
 

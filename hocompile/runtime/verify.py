@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,7 @@ class Verification:
     exact: int = 0  # tensors compared bitwise (or to ulps) on the last verified step
     budgeted: int = 0  # tensors compared against the Newton–Schulz budget
     unsampled: int = 0  # plan-dependent tensors of members a stamped step's check leaves out
+    seconds: float = 0.0  # spent checking (eager on copies, references, comparing), the compiled step not counted
     worst: float = 0.0  # ‖c − x‖ / ‖x − t0‖ of the budgeted tensor closest to its bound
     worst_bound: float = 0.0  # that tensor's bound, same units
     worst_algebra: float = 0.0  # max ‖y − x‖ / ‖x − t0‖
@@ -149,6 +151,7 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     record = entry.verification
     inner = opt.optimizer
     assert entry.captured is not None and entry.lowered is not None
+    started = time.perf_counter()
     stamped = entry.stamped  # per parameter class (reference_classes.py)
     if record.planned is None:
         record.planned = stamped_planned(stamped) if stamped is not None else plan_dependent_slots(entry)
@@ -180,13 +183,17 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
         opt.counters.eager_fallbacks += 1
         unwrapped_step(inner)(inner)
         return
+    ran = time.perf_counter()
     opt._run(entry, env)
+    checking = time.perf_counter()
     problems = _compare(inner, mirror, record.planned, refs, entry.lowered.backend, record)
     for host_slot, want in mirror.host.items():
         got = host_slot.read(inner)
         if type(got) is not type(want) or got != want:
             problems.append(("Python state", [f"{host_slot.describe()} is {got!r}, eager's is {want!r}"]))
     record.steps += 1
+    # What checking cost besides the compiled step itself (eager on copies, references, comparing).
+    record.seconds += (ran - started) + (time.perf_counter() - checking)
     number = next(k for k, e in enumerate(opt.history, start=1) if e is entry)
     if not problems:
         n = steps_to_verify(opt, entry)

@@ -211,8 +211,10 @@ def rebuild(record: WarmRecord, step_type: Any) -> Any:
     cap = dict(record.captured)
     gm = graph_codec.decode(cap.pop("gm"))
     exprs = cap.pop("scalars")
+    cap["trace_seconds"] = 0.0  # nothing was traced: the step was loaded (its compile_seconds)
     captured = CapturedStep(gm=gm, scalars=build_scalar_program(exprs), **cap)
     fields = dict(record.step)
+    fields["pass_seconds"] = 0.0
     step = step_type(
         captured, gm, fields.pop("records"), None, fields.pop("final_graph"), fields.pop("decisions"),
         fields.pop("final_stats"), fields.pop("pass_seconds"), **fields,
