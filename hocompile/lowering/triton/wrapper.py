@@ -41,6 +41,7 @@ from .fence import HELPERS, FenceReport, Host, Liveness, Stage, WriteBack, emit_
 from .module import write_forward, write_tables
 from .op_groups import GroupCode, GroupNames, GroupRef, OpGroup, Workspace, find_op_groups
 from .pointwise import PointwiseSpec, generate_pointwise, partial_count, region_spec
+from .recompute import recompute_early_writebacks
 from .regions import find_regions, is_placeholder_slot
 from .schedule import PointwiseGroup, ScheduleError, Unit, build_units, schedule
 
@@ -73,6 +74,7 @@ def _read_transposed(val: Any) -> bool:
 
 
 def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str, upcast: str) -> WrapperPlan:
+    recompute_early_writebacks(gm, copy_into)  # so the fence finds dead buffers for them (recompute.py)
     op_groups, refs = find_op_groups(gm)
     regions = find_regions(gm, op_groups)
     calls, declines = find_calls(gm)
