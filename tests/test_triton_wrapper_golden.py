@@ -85,7 +85,7 @@ class TestStepWrapperGolden(TestCase):
 #   pw_mul_lerp_mul_addcmul_sqrt_div_add_addcdiv_32_563a28: 1 member(s), 1 launch
 #   pw_lerp_16x32_27b295: 2 member(s), 1 launch
 #   pw_lerp_32x16_77c2d6: 1 member(s), 1 launch
-#   write fence: 10 write-back(s) after every launch; 10 staged (0.012 MB: 0.008 MB in dead step buffers, 0.004 MB new); commit: 1 launch(es) from the pointer table
+#   write fence: 10 write-back(s) after every launch; 10 staged (0.012 MiB: 0.008 MiB in dead step buffers, 0.004 MiB new); commit: 1 launch(es) from the pointer table
 
 def _carve(host, offset, shape, dtype):
     \"\"\"A stage in ``host``'s bytes from ``offset``: no launch after the stage's own touches ``host``.\"\"\"

@@ -23,9 +23,11 @@ workspace, result or temporary whose group has finished:
 :func:`place_stages`, first fit, with :class:`Liveness` over the emitted
 launch text), and otherwise in one fresh ``fence`` arena. The wrapper runs
 units that only produce write-backs (the update after Newton–Schulz, AdamW)
-last, so their stages find dead buffers; what is written back before an op
-group finishes (Muon's momentum) is new memory. The arena's size is in the
-step's explain() line ``write fence: ...``.
+last, so their stages find dead buffers, and a write-back read on the way into
+an op group (Muon's momentum) is recomputed by such a late unit
+(recompute.py). GPT-2 small's Muon step then needs no new memory; a step with
+no op group (AdamW alone) has nothing to reuse, and its arena is one copy of
+what it writes. The step's explain() line ``write fence: ...`` gives the sizes.
 
 Layouts: kernels index operands by address as row-major memory. The
 generated ``forward`` therefore runs on contiguous copies of any strided
@@ -105,8 +107,8 @@ class FenceReport:
         mb = 2.0**20
         return (
             f"write fence: {self.commits} write-back(s) after every launch; {self.stages} staged "
-            f"({self.staged / mb:.3f} MB: {self.reused / mb:.3f} MB in dead step buffers, "
-            f"{self.fresh / mb:.3f} MB new)"
+            f"({self.staged / mb:.3f} MiB: {self.reused / mb:.3f} MiB in dead step buffers, "
+            f"{self.fresh / mb:.3f} MiB new)"
         )
 
 
