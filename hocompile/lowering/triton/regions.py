@@ -151,3 +151,25 @@ def _collect_boundary(region: Region, consumed: set[fx.Node], identity_reads: se
 
 def is_placeholder_slot(node: fx.Node) -> bool:
     return node.op == "placeholder" and isinstance(node.meta.get(ROLE), InputSlot)
+
+
+def operand_layouts(
+    gm: fx.GraphModule,
+    regions: list[Region],
+    groups: list[OpGroup],
+    calls: list[fx.Node],
+    refs: dict[fx.Node, GroupRef],
+) -> dict[fx.Node, bool]:
+    """How a kernel reads each operand it takes by address: True for transposed. A member of a
+    stacked group result through its group (a joined n x m member); what an aten call made, as its
+    value's layout says (the wrapper lays a strided one out at run time, fence.py's ``_laid_out``);
+    step buffers and the step's inputs (made dense by ``forward``) row-major."""
+    made = {n for r in regions for n in r.nodes} | {g.node for g in groups} | set(calls)
+    made |= {n for g in groups for n in g.absorbed}
+    layout = {n: ref.transposed for n, ref in refs.items()}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "call_function" and node not in made and isinstance(val, torch.Tensor):
+            # a permute view of a row-major matrix: read through transposed offsets, no copy
+            layout.setdefault(node, bool(val.dim() == 2 and not val.is_contiguous() and val.mT.is_contiguous()))
+    return layout

@@ -153,3 +153,23 @@ def _on_cycles(units: list[Unit], done: set[int]) -> frozenset[int]:
                 seen.add(unit)
                 stack += [d for d in units[unit].deps if d not in done]
     return frozenset(cyclic)
+
+
+def units_in_order(
+    gm: fx.GraphModule, groups: list[PointwiseGroup], op_groups: list[OpGroup], calls: list[CallGroup]
+) -> tuple[list[Unit], list[int]]:
+    """The launch units and their order; fused groups on a dependency cycle launch per member."""
+    while True:
+        units, _ = build_units(gm, groups, op_groups, calls)
+        try:
+            return units, schedule(units)
+        except ScheduleError as error:
+            split = {id(units[i].pointwise) for i in error.cyclic if units[i].pointwise is not None}
+            split -= {id(g) for g in groups if len(g.members) == 1}
+            if not split:
+                raise
+            groups = [
+                part
+                for g in groups
+                for part in ([PointwiseGroup(g.spec, [m]) for m in g.members] if id(g) in split else [g])
+            ]

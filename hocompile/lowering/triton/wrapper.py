@@ -42,8 +42,8 @@ from .module import write_forward, write_tables
 from .op_groups import GroupCode, GroupNames, GroupRef, OpGroup, Workspace, find_op_groups
 from .pointwise import PointwiseSpec, generate_pointwise, partial_count, region_spec
 from .recompute import recompute_early_writebacks
-from .regions import find_regions, is_placeholder_slot
-from .schedule import PointwiseGroup, ScheduleError, Unit, build_units, schedule
+from .regions import find_regions, is_placeholder_slot, operand_layouts
+from .schedule import PointwiseGroup, Unit, units_in_order
 
 
 @dataclass
@@ -68,54 +68,21 @@ def _is_view(node: fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def _read_transposed(val: Any) -> bool:
-    """An aten call's result laid out as the transpose of a row-major matrix (a ``permute`` view)."""
-    return bool(val.dim() == 2 and not val.is_contiguous() and val.mT.is_contiguous())
-
-
 def generate_wrapper(gm: fx.GraphModule, copy_into: list[int | None], arch: str, upcast: str) -> WrapperPlan:
     recompute_early_writebacks(gm, copy_into)  # so the fence finds dead buffers for them (recompute.py)
     op_groups, refs = find_op_groups(gm)
     regions = find_regions(gm, op_groups)
     calls, declines = find_calls(gm)
     workspaces = [g.emitter.workspace(g) for g in op_groups]
-    # How a kernel reads each operand it takes by address: members of a stacked result through
-    # their group (transposed for a joined n x m member); what an aten call made, as its layout
-    # says (a strided one is laid out at run time); step buffers and the (dense) inputs row-major.
-    made = {n for r in regions for n in r.nodes} | {g.node for g in op_groups} | {c.node for c in calls}
-    made |= {n for g in op_groups for n in g.absorbed}
-    layout = {n: ref.transposed for n, ref in refs.items()}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node not in made and isinstance(node.meta.get("val"), torch.Tensor):
-            layout.setdefault(node, _read_transposed(node.meta["val"]))
+    layout = operand_layouts(gm, regions, op_groups, [c.node for c in calls], refs)
     groups: dict[PointwiseSpec, PointwiseGroup] = {}
     for region in regions:
         workspace = workspaces[region.feed.group] if region.feed is not None else None
         spec = region_spec(region, layout, workspace, arch)
         groups.setdefault(spec, PointwiseGroup(spec)).members.append(region)
-    units, order = _units_in_order(gm, list(groups.values()), op_groups, calls)
+    units, order = units_in_order(gm, list(groups.values()), op_groups, calls)
     emitter = _Emitter(gm, copy_into, arch, upcast, op_groups, workspaces, refs, calls, declines, layout)
     return emitter.emit(units, order)
-
-
-def _units_in_order(
-    gm: fx.GraphModule, groups: list[PointwiseGroup], op_groups: list[OpGroup], calls: list[CallGroup]
-) -> tuple[list[Unit], list[int]]:
-    """The launch units and their order; fused groups on a dependency cycle launch per member."""
-    while True:
-        units, _ = build_units(gm, groups, op_groups, calls)
-        try:
-            return units, schedule(units)
-        except ScheduleError as error:
-            split = {id(units[i].pointwise) for i in error.cyclic if units[i].pointwise is not None}
-            split -= {id(g) for g in groups if len(g.members) == 1}
-            if not split:
-                raise
-            groups = [
-                part
-                for g in groups
-                for part in ([PointwiseGroup(g.spec, [m]) for m in g.members] if id(g) in split else [g])
-            ]
 
 
 class _Emitter:
