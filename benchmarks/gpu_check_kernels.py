@@ -40,6 +40,7 @@ from hocompile.lowering.triton.ns_kernels import (
     generate_gram,
     generate_sym_poly,
 )
+from hocompile.lowering.triton.op_groups import allocations
 from hocompile.newton_schulz import newton_schulz, reference_fp64
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -219,12 +220,10 @@ def ns_case(env: KernelEnv, case: str) -> Result:
     coeff, algorithm, restarts, size, dtype, out_dtype, eps_mode = NS_CASES[case]
     batch, m, n = env.ns_small if size == "small" else env.ns_large
     coefficients = [coeff] * 5
-    w = CodeWriter()
-    w.line("def run(x, eps, out, upcast):")
-    with w.indent():
-        w.line("partials = torch.stack([c.sum(1) for c in x.float().square().flatten(1).tensor_split(3, dim=1)], 1)")
-        kernels = emit_newton_schulz(
-            w,
+    body = CodeWriter()
+    with body.indent():
+        emitted = emit_newton_schulz(
+            body,
             x="x",
             partials="partials",
             P="3",
@@ -244,7 +243,15 @@ def ns_case(env: KernelEnv, case: str) -> Result:
             upcast="upcast",
             prefix="ns0_",
         )
+    w = CodeWriter()
+    w.line("def run(x, eps, out, upcast):")
+    with w.indent():
+        w.line("partials = torch.stack([c.sum(1) for c in x.float().square().flatten(1).tensor_split(3, dim=1)], 1)")
+        w.lines(allocations(emitted.buffers, "x.device"))  # the emitter's temporaries, before its launches
+    w.extend(body)
+    with w.indent():
         w.line("return out")
+    kernels = emitted.kernels
     mod = _load(kernels, w.text(), env.cache_dir)
     x = _randn(env, batch, m, n, dtype=dtype, seed=6)
     out = torch.full((batch, m, n), float("nan"), dtype=out_dtype, device=env.device)

@@ -1,6 +1,6 @@
-"""gpu_check's opt-in ``shampoo_family`` section (issue 12): SOAP, REKLS, MOP, PolarGrad and
+"""gpu_check's ``shampoo_family`` section (issue 12): SOAP, REKLS, MOP, PolarGrad and
 hocompile's Shampoo, eager vs compiled (backend auto) on one GPT-2 layer's matrices: step times
-and the compiled update's distance from eager's. Run: ``gpu_check.py --sections env,shampoo_family``.
+and the compiled update's distance from eager's. Alone: ``gpu_check.py --sections env,shampoo_family``.
 
 It first runs the ``factor_update`` and ``two_sided`` Triton kernels on their own (compiled for the
 device, not interpreted): each against the op's torch arithmetic on the same GPU (fp32, true fp32
@@ -20,11 +20,8 @@ import torch
 
 import hocompile
 
-# Issue 12: the Shampoo family (SOAP, REKLS, MOP, PolarGrad, hocompile's Shampoo), eager vs compiled (backend
-# auto), on one GPT-2 layer's matrices. Opt-in (not in the default sections): --sections env,shampoo_family.
-
 SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
-SF_SMOKE_SHAPES = [(32, 48), (48, 32), (32, 32)]
+SF_SMOKE_SHAPES = [(16, 24), (24, 16)]  # a tall/wide pair: factors of both sides, a stacked factor_update
 SF_CHECK_STEPS = 3  # steps on distinct grads before params are compared (SOAP/Shampoo build their bases at step 1)
 SF_REL_TOL = 2e-2  # max |p_compiled - p_eager| / |p_eager - p0| per param, as tiny_transformer's default tolerance
 
@@ -119,9 +116,14 @@ def _shampoo_family() -> dict[str, Callable[[list[torch.nn.Parameter]], torch.op
 
     from hocompile.optimizers import Shampoo
 
+    # eps 1e-3, not the default 1e-8: at step 1 the eigenbases are G's singular vectors, so QᵀGQ is
+    # diagonal up to rounding, and Adam's g / (|g| + eps) makes an off-diagonal entry of rounding
+    # noise a full +-1 of the update. Any change of summation order (the Triton kernels) then flips
+    # those signs: measured 1.3x the update's norm against eager on 24x24 with eps 1e-8. An eps
+    # above the noise keeps the comparison about the compiled step, not about that amplification.
     return {
-        "SOAP": lambda ps: SOAP(ps, lr=3e-3),
-        "REKLS": lambda ps: REKLS(ps, lr=3e-3),
+        "SOAP": lambda ps: SOAP(ps, lr=3e-3, eps=1e-3),
+        "REKLS": lambda ps: REKLS(ps, lr=3e-3, eps=1e-3),
         "MOP": lambda ps: MOP(ps, lr=3e-4),
         "PolarGrad": lambda ps: PolarGrad(ps, lr=3e-4),
         "Shampoo": lambda ps: Shampoo(ps, lr=3e-3, precondition_frequency=10),
@@ -140,8 +142,9 @@ def _sf_run(
     """SF_CHECK_STEPS steps (the first two timed: capture/compile), then timed steady steps cycling the grads."""
     params = [torch.nn.Parameter(p.clone()) for p in p0]
     opt: Any = build(params)
-    if compiled:
-        opt = hocompile.compile_optimizer(opt, cache_dir=ctx.cache_root / f"sf-{name}")
+    if compiled:  # backend auto is triton on a GPU; the smoke run takes the same path, interpreted
+        backend = "triton" if ctx.smoke else "auto"
+        opt = hocompile.compile_optimizer(opt, backend=backend, cache_dir=ctx.cache_root / f"sf-{name}")
 
     def call(k: int) -> tuple[float, float | None]:
         for p, g in zip(params, grads[k % len(grads)]):
@@ -152,7 +155,7 @@ def _sf_run(
     for k in range(2, SF_CHECK_STEPS):
         call(k)
     after = [p.detach().clone() for p in params]
-    reps = 2 if ctx.smoke else 20  # Shampoo: two refresh periods, so the mean is its amortised step
+    reps = 1 if ctx.smoke else 20  # Shampoo: two refresh periods, so the mean is its amortised step
     times = [call(k) for k in range(reps)]
     res.update(median_s=statistics.median(t[0] for t in times), mean_s=statistics.fmean(t[0] for t in times))
     if ctx.cuda:
@@ -177,7 +180,7 @@ def section(
     if ctx.cuda:  # the interpreter would take minutes at these shapes; tests/test_factor_triton.py covers CPU
         _kernel_check(ctx, out, shapes, timed)
     for name, build in _shampoo_family().items():
-        limit = ctx.left() - 5
+        limit = ctx.left() - ctx.reserve_after("shampoo_family") - 5
         if limit < 30:
             out[name] = {"skipped": f"{limit:.0f} s of the budget left"}
             print(f"    {name}: skipped ({out[name]['skipped']})", flush=True)

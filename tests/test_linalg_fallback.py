@@ -53,13 +53,15 @@ def _method(args: Any, kwargs: Any) -> str:
 SHAPES = [(8, 16), (12, 12)]
 
 
-def _pair(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], tmp_path: Any) -> tuple[Any, ...]:
+def _pair(
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], tmp_path: Any, backend: str = "auto"
+) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(0)
     initial = [torch.randn(*s, generator=gen) for s in SHAPES]
     eager_params = [torch.nn.Parameter(p.clone()) for p in initial]
     compiled_params = [torch.nn.Parameter(p.clone()) for p in initial]
     eager = factory(eager_params)
-    compiled = hocompile.compile_optimizer(factory(compiled_params), cache_dir=tmp_path)
+    compiled = hocompile.compile_optimizer(factory(compiled_params), cache_dir=tmp_path, backend=backend)
     return eager, eager_params, compiled, compiled_params
 
 
@@ -91,17 +93,34 @@ def _twin(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], compil
     return twin, twin_params
 
 
+# The Triton backend (its kernels in the interpreter here): the wrapper writes nothing before its
+# commit (lowering/triton/fence.py), so a failed eigh in it falls back exactly as on aten.
+BACKENDS = [
+    "aten",
+    pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("factory", [_soap, _shampoo], ids=["soap-eigh", "shampoo"])
 def test_failed_eigh_runs_the_step_eagerly_with_its_float64_retry(
-    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], tmp_path: Any
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], tmp_path: Any, backend: str
 ) -> None:
-    eager, eager_params, compiled, compiled_params = _pair(factory, tmp_path)
+    if backend == "triton":
+        pytest.importorskip("triton")
+    eager, eager_params, compiled, compiled_params = _pair(factory, tmp_path, backend)
     for k in range(3):  # first step and the steady state compile; from then on cache hits
         _step(eager, eager_params, k)
         _step(compiled, compiled_params, k)
     assert compiled.counters.eager_fallbacks == 0
-    for a, b in zip(eager_params, compiled_params):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert compiled.history[-1].lowered.backend == backend and compiled.history[-1].fenced
+    if backend == "aten":
+        # (The Triton kernels sum in another order, and the 8x16 param's 16x16 factor has rank 8:
+        # rounding alone decides its null-space eigenvectors, so no bound holds for Triton against
+        # eager here; test_triton_kronecker_step bounds it on full-rank factors. What this test
+        # holds both backends to is below: the failed step, bit for bit.)
+        for a, b in zip(eager_params, compiled_params):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
     twin, twin_params = _twin(factory, compiled, compiled_params)
     with FailingEigh() as mode:

@@ -105,7 +105,7 @@ def _eager_vs_triton(cache_dir: Path, steps: int = 2) -> Any:
 
 def test_toy_family_lowers_through_its_registered_triton_emitter(cache_dir: Path, toy_emitter: None) -> None:
     tri, lowered = _eager_vs_triton(cache_dir)
-    assert {k.family for k in tri.kernels()} == {"pointwise", "toy_row_normalize"}
+    assert {k.family for k in tri.kernels()} == {"pointwise", "toy_row_normalize", "writeback"}
     toy_units = [u for u in lowered.units if u.startswith("toy group")]
     assert toy_units == ["toy group 0: 2 x 4x16, 1 launch", "toy group 1: 1 x 16x4, 1 launch"], lowered.units
     assert "torch.ops.hocompile.toy_row_normalize" not in lowered.source  # no aten fallback left
@@ -115,7 +115,7 @@ def test_toy_family_lowers_through_its_registered_triton_emitter(cache_dir: Path
 def test_toy_family_without_a_triton_emitter_is_an_aten_call(cache_dir: Path) -> None:
     assert TOY.lowering("triton") is None
     tri, lowered = _eager_vs_triton(cache_dir)
-    assert {k.family for k in tri.kernels()} == {"pointwise"}
+    assert {k.family for k in tri.kernels()} == {"pointwise", "writeback"}
     assert lowered.source.count("torch.ops.hocompile.toy_row_normalize.default(") == 2, lowered.source
     assert sum(u.startswith("aten ") for u in lowered.units) >= 2, lowered.units
 
@@ -141,5 +141,5 @@ def test_feeding_kernels_store_only_what_someone_reads(toy_emitter: None) -> Non
     feeding = [k for k in plan.kernels if k.family == "pointwise" and "_ws_" in k.name]
     assert feeding and all(k.source.count("tl.store(") == 1 for k in feeding), [k.source for k in feeding]
     assert "part0" not in plan.body  # the toy asked for no norm partials
-    assert plan.launches == 2 + 2 + 2  # feeds, toy groups, updates (one 4x16 pair fused)
+    assert plan.launches == 2 + 2 + 2 + 1  # feeds, toy groups, updates (one 4x16 pair fused), the commit
     assert "torch.empty" not in plan.body.split("def launch(")[1]  # launch() allocates nothing

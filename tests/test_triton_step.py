@@ -87,7 +87,7 @@ def test_muon_step_through_triton_matches_aten_path(cache_dir) -> None:
     assert tri.counters.recompiles == []
     lowered = tri.history[-1].lowered
     assert lowered is not None and lowered.backend == "triton"
-    assert {k.family for k in tri.kernels()} == {"pointwise", "gram", "sym_poly", "gemm"}
+    assert {k.family for k in tri.kernels()} == {"pointwise", "gram", "sym_poly", "gemm", "writeback"}
 
 
 def test_user_muon_bf16_through_triton_is_as_accurate_as_eager(cache_dir) -> None:
@@ -202,7 +202,7 @@ def _gpt2_wrapper(layers: int):  # type: ignore[no-untyped-def]
 def test_launches_per_step_bounded_by_shape_groups_not_parameters() -> None:
     iterations = 5  # torch.optim.Muon's default ns_steps
     plan = _gpt2_wrapper(layers=12)
-    forward = plan.body
+    forward = plan.body.split("def launch(")[1].split("def forward(")[0]  # the launches and the commit
     launches = len(re.findall(r"\blaunch_\w+\(", forward))
     aten_calls = len(re.findall(r"torch\.ops\.aten\.", forward)) + forward.count(".copy_(")
     assert launches + aten_calls == plan.launches
@@ -217,15 +217,21 @@ def test_gpt2_wrapper_stores_nothing_unread_and_labels_its_tables() -> None:
     plan = _gpt2_wrapper(layers=1)
     buffers_fn, rest = plan.body.split("def tables(")
     launch_fn = rest.split("def launch(")[1].split("def forward(")[0]
-    # The pre-NS kernel stores the momentum buffer (in place), the NS input and its norm partials:
-    # not the NS input a second time into a buffer nothing reads.
+    # The pre-NS kernel stores the NS input and its norm partials: not the NS input a second time
+    # into a buffer nothing reads, and not the new momentum, whose write-back a late kernel
+    # recomputes so the write fence holds it in dead NS buffers (recompute.py).
     feeding = [k for k in plan.kernels if k.family == "pointwise" and "_ws_" in k.name]
     assert len(feeding) == len(GPT2_SHAPES)
-    assert all(k.source.count("tl.store(") == 3 for k in feeding), feeding[0].source
+    assert all(k.source.count("tl.store(") == 2 for k in feeding), feeding[0].source
     # Every buffer belongs to an op group (workspace, partials, result, the emitter's temporaries),
     # none to a parameter; and launch() allocates nothing (one allocation per group, in buffers()).
+    # Each written-back value (params and momentum) waits in a stage carved from a group buffer
+    # that is dead by then: the fence allocates nothing.
     allocated = re.findall(r"^    (\w+) = torch\.empty\(", buffers_fn, re.M)
     assert allocated and all(re.fullmatch(r"(ws|part|out)\d+|g\d+_\w+", name) for name in allocated), allocated
+    stages = re.findall(r"^    st\d+ = _carve\((\w+), ", buffers_fn, re.M)
+    assert len(stages) == 2 * len(GPT2_SHAPES) and "fence" not in stages, stages
+    assert plan.fence is not None and plan.fence.fresh == 0 and plan.fence.staged > 0
     assert "torch.empty" not in launch_fn
     # One labelled table per fused launch: launches name their table's offset, no magic numbers.
     offsets = re.findall(r"\(ptrs, (\w+), scal, \d+\)", launch_fn)
@@ -259,7 +265,7 @@ def test_opt_in_autotune_persists_winners_and_reuses_them(cache_dir) -> None:
 
     model, twin, aten, tri = _pair("fp32", cache_dir, lr=0.02)
     _train(model, twin, aten, tri, steps=1)
-    matmuls = [k for k in tri.kernels() if k.family != "pointwise"]
+    matmuls = [k for k in tri.kernels() if k.family not in ("pointwise", "writeback")]
     timed: list[str] = []
 
     def timer(launch) -> float:  # type: ignore[no-untyped-def]
@@ -286,7 +292,7 @@ def test_opt_in_autotune_persists_winners_and_reuses_them(cache_dir) -> None:
     )
     fresh(torch.randn(8, 24)).square().mean().backward()
     opt.step()
-    for kernel in (k for k in opt.kernels() if k.family != "pointwise"):
+    for kernel in (k for k in opt.kernels() if k.family not in ("pointwise", "writeback")):
         assert "BLOCK_M=32" in kernel.source, kernel.name
 
 
@@ -357,10 +363,23 @@ def native_pointwise_report() -> None:
             signature |= {name: "constexpr" for name in constexprs}
             compiled = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
             print(json.dumps({"name": kernel.name, "ptx_bytes": len(compiled.asm["ptx"])}))
+        # The write fence's commit kernels (4- and 2-byte words, grid-stride over int64 numels).
+        from hocompile.lowering.triton.fence import commit_kernel
+
+        for itemsize, programs in ((4, 1024), (2, 1)):
+            kernel = commit_kernel(itemsize, programs, "sm90")
+            module, _ = load(assemble([kernel]), cache_dir)
+            fn = getattr(module, kernel.name)
+            constexprs = {"PROGRAMS": programs, "BLOCK": kernel.tile["BLOCK"]}
+            signature = {"ptrs": "*i64", "base": "i32"} | {name: "constexpr" for name in constexprs}
+            options = {"num_warps": kernel.tile["num_warps"]}
+            compiled = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+            print(json.dumps({"name": kernel.name, "ptx_bytes": len(compiled.asm["ptx"])}))
 
 
 def test_pointwise_and_scale_kernels_compile_for_hopper() -> None:
-    """The interpreter accepts code the compiler rejects: compile the pointer-table and ns_scale kernels for sm90."""
+    """The interpreter accepts code the compiler rejects: compile the pointer-table, ns_scale and
+    commit kernels for sm90."""
     import json
     import os
     import subprocess
@@ -378,5 +397,5 @@ def test_pointwise_and_scale_kernels_compile_for_hopper() -> None:
     )
     assert run.returncode == 0, run.stderr[-4000:]
     report = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    # 2 shapes x (before, after NS) pointwise kernels, then 2 ns_scale variants
-    assert len(report) == 6 and all(r["ptx_bytes"] > 0 for r in report), report
+    # 2 shapes x (before, after NS) pointwise kernels, then 2 ns_scale variants, 2 commit kernels
+    assert len(report) == 8 and all(r["ptx_bytes"] > 0 for r in report), report

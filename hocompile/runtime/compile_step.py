@@ -103,19 +103,10 @@ def kernel_formats(triton: bool, device: torch.device) -> frozenset[str] | None:
     return schedule_formats(device_arch(device)) if triton else None
 
 
-def ownership_pass(settings: Settings, backend: str = "aten") -> DistOwnership | None:
+def ownership_pass(settings: Settings) -> DistOwnership | None:
     """The configured dist-ownership pass, or None when every rank computes everything."""
     if settings.distributed != Distributed.REPLICATED:
         return None
-    if backend != "aten":
-        # Measured (2 gloo processes, Triton interpreter): an owner's own update of a transposed
-        # NS result differed from the single-process step while the ranks it sent it to were
-        # right, so the ranks diverged. Until the Triton wrapper is checked with collectives
-        # in the graph, refuse rather than risk a silently wrong step.
-        raise ValueError(
-            f"distributed='replicated' runs on the aten lowering only for now (backend={backend!r}); "
-            "pass backend='aten' or distributed='local'"
-        )
     group = resolve_group(settings.process_group)
     return DistOwnership(world=dist.get_world_size(group), rank=dist.get_rank(group), group_name=str(group.group_name))
 
@@ -144,7 +135,7 @@ def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tup
         kernel_formats=kernel_formats(triton, device),
         max_batch=settings.max_batch,
         max_stack_bytes=settings.max_stack_bytes,
-        dist_ownership=ownership_pass(settings, backend),  # None unless distributed="replicated"
+        dist_ownership=ownership_pass(settings),  # None unless distributed="replicated"
     )
     return pipeline, target
 
@@ -334,8 +325,9 @@ def _lower(
         _lower_stamped(step, f"{identity};backend={backend};{statuses}", header, settings)
         step.lower_seconds = time.perf_counter() - start
         return
-    # Only the aten lowering fences its write-backs (the Triton wrapper places its own).
-    step.fenced = backend == "aten" and write_fence(step.gm) is not None
+    # The aten lowering writes nothing back before the graph's last fallible op (writeback.py); the
+    # Triton wrapper nothing before its last launch (lowering/triton/fence.py).
+    step.fenced = backend == "triton" or write_fence(step.gm) is not None
     if backend == "triton":
         step.lowered = _lower_triton(step.gm, step.key, header, copy_into, settings, device)
     else:

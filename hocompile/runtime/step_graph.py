@@ -14,7 +14,9 @@ valid while training goes on is the generated module's split
   buffers: it is what the graph records.
 
 A step that is not graph safe (an aten call or copy with a baked-in
-address, or new state created by the step) runs normally. On CPU tensors
+address, or new state created by the step) runs normally, and so does a
+call with a strided tensor input (the kernels index inputs by address,
+row-major: the generated ``forward`` runs it on copies). On CPU tensors
 there is no graph: the same static-buffer replay runs directly, which is how
 tests check the mechanics.
 """
@@ -41,6 +43,8 @@ class GraphedStep:
         self.replays = 0
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor, ...]:
+        if not self.module.all_dense(*args):  # on contiguous copies, outside the graph (fence.py)
+            return self.module.forward(self.gm, *args)  # type: ignore[no-any-return]
         if self.buffers is None:
             return self._first(args)
         assert self.ptrs is not None and self.scal is not None

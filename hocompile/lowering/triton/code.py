@@ -57,6 +57,14 @@ class CodeWriter:
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"
 
+    def mark(self) -> int:
+        """A position to read back from with :meth:`since`."""
+        return len(self._lines)
+
+    def since(self, mark: int) -> list[str]:
+        """The lines written after ``mark``."""
+        return self._lines[mark:]
+
 
 @dataclass(frozen=True)
 class KernelSource:

@@ -78,10 +78,20 @@ def find_regions(gm: fx.GraphModule, groups: list[OpGroup]) -> list[Region]:
     nodes = [n for n in gm.graph.nodes if is_pointwise(n)]
     for n in nodes:
         parent[n] = n
+    # A region is one kernel: it must not both feed and read what runs outside it (PolarGrad's
+    # ``O * G`` reads the Newton–Schulz result and its input, which feeds it). Per component, the
+    # other calls it depends on (``up``) and that depend on it (``down``), as bitsets; two components
+    # whose union would have a call on both sides stay apart.
+    up, down = _outside_calls(gm, set(parent))
     for n in nodes:
         for arg in n.all_input_nodes:
             if arg in parent and tuple(_val(arg).shape) == tuple(_val(n).shape):
-                parent[root(arg)] = root(n)
+                a, b = root(arg), root(n)
+                if a is b or (up[a] | up[b]) & (down[a] | down[b]):
+                    continue
+                parent[a] = b
+                up[b] |= up[a]
+                down[b] |= down[a]
     by_root: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:
         by_root.setdefault(root(n), []).append(n)
@@ -106,6 +116,23 @@ def find_regions(gm: fx.GraphModule, groups: list[OpGroup]) -> list[Region]:
     return regions
 
 
+def _outside_calls(gm: fx.GraphModule, pointwise: set[fx.Node]) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """For each node, the calls outside ``pointwise`` it depends on and that depend on it (bitsets)."""
+    order = list(gm.graph.nodes)
+    bit = {n: 1 << i for i, n in enumerate(n for n in order if n.op == "call_function" and n not in pointwise)}
+    up: dict[fx.Node, int] = {}
+    for n in order:
+        up[n] = 0
+        for arg in n.all_input_nodes:
+            up[n] |= up[arg] | bit.get(arg, 0)
+    down: dict[fx.Node, int] = {}
+    for n in reversed(order):
+        down[n] = 0
+        for user in n.users:
+            down[n] |= down[user] | bit.get(user, 0)
+    return up, down
+
+
 def _collect_boundary(region: Region, consumed: set[fx.Node], identity_reads: set[fx.Node | None]) -> None:
     inside = set(region.nodes)
     for node in region.nodes:
@@ -124,3 +151,25 @@ def _collect_boundary(region: Region, consumed: set[fx.Node], identity_reads: se
 
 def is_placeholder_slot(node: fx.Node) -> bool:
     return node.op == "placeholder" and isinstance(node.meta.get(ROLE), InputSlot)
+
+
+def operand_layouts(
+    gm: fx.GraphModule,
+    regions: list[Region],
+    groups: list[OpGroup],
+    calls: list[fx.Node],
+    refs: dict[fx.Node, GroupRef],
+) -> dict[fx.Node, bool]:
+    """How a kernel reads each operand it takes by address: True for transposed. A member of a
+    stacked group result through its group (a joined n x m member); what an aten call made, as its
+    value's layout says (the wrapper lays a strided one out at run time, fence.py's ``_laid_out``);
+    step buffers and the step's inputs (made dense by ``forward``) row-major."""
+    made = {n for r in regions for n in r.nodes} | {g.node for g in groups} | set(calls)
+    made |= {n for g in groups for n in g.absorbed}
+    layout = {n: ref.transposed for n, ref in refs.items()}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "call_function" and node not in made and isinstance(val, torch.Tensor):
+            # a permute view of a row-major matrix: read through transposed offsets, no copy
+            layout.setdefault(node, bool(val.dim() == 2 and not val.is_contiguous() and val.mT.is_contiguous()))
+    return layout

@@ -6,11 +6,11 @@ Triton emitter, op_groups.py) or an *aten call* (any other node, a
 registered op without a Triton emitter included), or a *call unit* (a
 registered op with several tensor inputs whose emitter reads them where
 they are, call_group.py). Units are ordered so every unit follows the units
-producing its inputs; fusing regions across parameters could in principle
-create a cycle (region A of p0 feeding region B of p1 while B's twin feeds
-A's twin), in which case :func:`schedule` raises :class:`ScheduleError` and
-the compile fails with it: no optimizer seen so far does this, and a
-fallback that launches each region alone is not built.
+producing its inputs; fusing regions across parameters can create a cycle
+(region A of p0 feeding region B of p1 while B's twin feeds A's twin:
+REKLS does, through its aten calls), in which case :func:`schedule` raises
+:class:`ScheduleError` naming the units on cycles, and the wrapper launches
+those groups one member at a time (wrapper.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from .regions import Region
 
 
 class ScheduleError(RuntimeError):
-    pass
+    def __init__(self, message: str, cyclic: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.cyclic = cyclic  # the units that lie on a dependency cycle
 
 
 @dataclass
@@ -110,22 +112,64 @@ def _reads(unit: Unit) -> list[fx.Node]:
 
 
 def schedule(units: list[Unit]) -> list[int]:
-    """A topological order of the units (Kahn), earliest-created unit first where free."""
+    """A topological order of the units (Kahn), earliest-created unit first where free, except
+    that units nothing reads (the updates that only produce write-backs) come after all others:
+    by then the op groups' buffers are dead, and the write fence places their results there
+    (fence.py)."""
     waiting = [len(u.deps) for u in units]
     users: list[list[int]] = [[] for _ in units]
     for index, unit in enumerate(units):
         for dep in unit.deps:
             users[dep].append(index)
-    ready = [i for i, n in enumerate(waiting) if n == 0]
+    key = [(not users[i], i) for i in range(len(units))]
+    ready = [key[i] for i, n in enumerate(waiting) if n == 0]
     heapq.heapify(ready)
     order: list[int] = []
     while ready:
-        index = heapq.heappop(ready)
+        _, index = heapq.heappop(ready)
         order.append(index)
         for user in users[index]:
             waiting[user] -= 1
             if waiting[user] == 0:
-                heapq.heappush(ready, user)
+                heapq.heappush(ready, key[user])
     if len(order) != len(units):
-        raise ScheduleError("fused groups depend on each other in a cycle")
+        raise ScheduleError("fused groups depend on each other in a cycle", _on_cycles(units, set(order)))
     return order
+
+
+def _on_cycles(units: list[Unit], done: set[int]) -> frozenset[int]:
+    """The units not scheduled that reach themselves through their dependencies."""
+    left = [i for i in range(len(units)) if i not in done]
+    cyclic: set[int] = set()
+    for start in left:
+        seen: set[int] = set()
+        stack = [d for d in units[start].deps if d not in done]
+        while stack:
+            unit = stack.pop()
+            if unit == start:
+                cyclic.add(start)
+                break
+            if unit not in seen:
+                seen.add(unit)
+                stack += [d for d in units[unit].deps if d not in done]
+    return frozenset(cyclic)
+
+
+def units_in_order(
+    gm: fx.GraphModule, groups: list[PointwiseGroup], op_groups: list[OpGroup], calls: list[CallGroup]
+) -> tuple[list[Unit], list[int]]:
+    """The launch units and their order; fused groups on a dependency cycle launch per member."""
+    while True:
+        units, _ = build_units(gm, groups, op_groups, calls)
+        try:
+            return units, schedule(units)
+        except ScheduleError as error:
+            split = {id(units[i].pointwise) for i in error.cyclic if units[i].pointwise is not None}
+            split -= {id(g) for g in groups if len(g.members) == 1}
+            if not split:
+                raise
+            groups = [
+                part
+                for g in groups
+                for part in ([PointwiseGroup(g.spec, [m]) for m in g.members] if id(g) in split else [g])
+            ]
