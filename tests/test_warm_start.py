@@ -49,7 +49,8 @@ import hocompile
 from user_optimizer import Momentum
 {patch}
 torch.manual_seed(0)
-params = [torch.nn.Parameter(torch.randn(8, 16)) for _ in range(12)] + [torch.nn.Parameter(torch.randn(16)) for _ in range(6)]
+params = [torch.nn.Parameter(torch.randn(8, 16)) for _ in range(12)]
+params += [torch.nn.Parameter(torch.randn(16)) for _ in range(6)]
 twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
 compiled = hocompile.compile_optimizer(Momentum(params), cache_dir={cache!r}, disable_passes=("fuse-newton-schulz",))
 eager = Momentum(twins)
