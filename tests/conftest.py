@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,37 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def new_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Makes fresh cache directories that hold only this CPU's calibration (targets.cpu_target).
+
+    The calibration is measured once per session, as a user's cache holds it after the first
+    compile: measured in every fresh directory it cost ~0.5-1 s per test on this project's 2-core
+    CPUs (175 times in one run). A test whose torch thread count differs from the session's finds
+    no file for its CPU id and measures its own. Tests of the cache and of the calibration itself
+    start from an empty directory (tests/test_cache_faults.py).
+    """
+    from hocompile.targets import cpu_target  # here: after TRITON_INTERPRET is set above
+
+    calibrated = tmp_path_factory.mktemp("calibration")
+    cpu_target(calibrated)
+    files = sorted(calibrated.glob("target-cpu-*.json"))
+    assert files, f"no calibration written to {calibrated}"
+
+    def new(path: Path | None = None) -> Path:
+        path = path if path is not None else tmp_path_factory.mktemp("cache")
+        path.mkdir(parents=True, exist_ok=True)
+        for file in files:
+            shutil.copy(file, path)
+        return path
+
+    return new
+
+
 @pytest.fixture
-def cache_dir(tmp_path: Path) -> Path:
-    return tmp_path / "cache"
+def cache_dir(tmp_path: Path, new_cache_dir: Callable[..., Path]) -> Path:
+    """This test's own cache directory, holding this session's CPU calibration (see new_cache_dir)."""
+    return new_cache_dir(tmp_path / "cache")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -35,6 +35,13 @@ SHAPES = [(8, 8), (16, 8)]
 FIXED = {**EXACT, "target": "cpu-avx2"}
 
 
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    """Not yet created, nothing in it: this module tests what the cache itself does (conftest's
+    cache_dir holds the session's calibration, so two racing processes would not measure theirs)."""
+    return tmp_path / "cache"
+
+
 def _adamw(ps: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
 

@@ -24,10 +24,10 @@ def _snapshot(opt: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return tensors
 
 
-def test_measure_shows_each_family_and_leaves_the_optimizer_alone(tmp_path: Any) -> None:
+def test_measure_shows_each_family_and_leaves_the_optimizer_alone(cache_dir: Any) -> None:
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in [(8, 16), (16, 8)]]
-    opt = hocompile.compile_optimizer(soap.SOAP(params, lr=0.01), cache_dir=tmp_path)
+    opt = hocompile.compile_optimizer(soap.SOAP(params, lr=0.01), cache_dir=cache_dir)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
@@ -47,9 +47,9 @@ def test_measure_shows_each_family_and_leaves_the_optimizer_alone(tmp_path: Any)
     assert "measured" not in hocompile.explain(opt)  # only when asked
 
 
-def test_measure_says_why_it_could_not(tmp_path: Any) -> None:
+def test_measure_says_why_it_could_not(cache_dir: Any) -> None:
     params = [torch.nn.Parameter(torch.randn(8, 16))]
-    opt = hocompile.compile_optimizer(soap.SOAP(params, lr=0.01), cache_dir=tmp_path)
+    opt = hocompile.compile_optimizer(soap.SOAP(params, lr=0.01), cache_dir=cache_dir)
     for _ in range(2):
         params[0].grad = torch.randn(8, 16)
         opt.step()

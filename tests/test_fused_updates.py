@@ -68,18 +68,18 @@ def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
-def _pair(factory: Factory, tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
+def _pair(factory: Factory, cache_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
     eager_params, compiled_params = _params(dtype), _params(dtype)
     eager = factory(eager_params)
-    compiled = hocompile.compile_optimizer(factory(compiled_params), cache_dir=tmp_path)
+    compiled = hocompile.compile_optimizer(factory(compiled_params), cache_dir=cache_dir)
     _run(eager, eager_params)
     _run(compiled, compiled_params)
     return eager, eager_params, compiled, compiled_params
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
-def test_fused_chain_within_1e6_of_eager(name: str, tmp_path: Path) -> None:
-    eager, eager_params, compiled, compiled_params = _pair(FUSED[name], tmp_path)
+def test_fused_chain_within_1e6_of_eager(name: str, cache_dir: Path) -> None:
+    eager, eager_params, compiled, compiled_params = _pair(FUSED[name], cache_dir)
     lowered = compiled.history[-1].lowered
     assert len(lowered.fused) == len(SHAPES), lowered.fused
     assert ("adamw_update(" if "adam" in name else "sgd_update(") in lowered.source
@@ -89,16 +89,16 @@ def test_fused_chain_within_1e6_of_eager(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(NOT_FUSED))
-def test_other_chains_are_not_fused_and_stay_bitwise(name: str, tmp_path: Path) -> None:
-    eager, eager_params, compiled, compiled_params = _pair(NOT_FUSED[name], tmp_path)
+def test_other_chains_are_not_fused_and_stay_bitwise(name: str, cache_dir: Path) -> None:
+    eager, eager_params, compiled, compiled_params = _pair(NOT_FUSED[name], cache_dir)
     assert compiled.history[-1].lowered.fused == []
     for a, b in zip(eager_params + _state(eager), compiled_params + _state(compiled.optimizer), strict=True):
         assert torch.equal(a, b)
 
 
-def test_bf16_params_are_not_fused(tmp_path: Path) -> None:
+def test_bf16_params_are_not_fused(cache_dir: Path) -> None:
     """Eager rounds every bf16 intermediate; the kernel computes in fp32: not the same arithmetic."""
-    eager, eager_params, compiled, compiled_params = _pair(FUSED["adamw"], tmp_path, torch.bfloat16)
+    eager, eager_params, compiled, compiled_params = _pair(FUSED["adamw"], cache_dir, torch.bfloat16)
     assert compiled.history[-1].lowered.fused == []
     assert all(torch.equal(a, b) for a, b in zip(eager_params, compiled_params))
 
@@ -146,13 +146,13 @@ def test_sgd_nesterov_alpha_other_than_momentum_runs_the_graphs_ops() -> None:
 
 @pytest.mark.parametrize("value", [None, "0"])
 def test_fused_updates_off_by_default_is_bitwise_eager(
-    value: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    value: str | None, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if value is None:
         monkeypatch.delenv("HOCOMPILE_FUSED_UPDATES")
     else:
         monkeypatch.setenv("HOCOMPILE_FUSED_UPDATES", value)
-    eager, eager_params, compiled, compiled_params = _pair(FUSED["adamw"], tmp_path)
+    eager, eager_params, compiled, compiled_params = _pair(FUSED["adamw"], cache_dir)
     assert compiled.history[-1].lowered.fused == []
     for a, b in zip(eager_params + _state(eager), compiled_params + _state(compiled.optimizer), strict=True):
         assert torch.equal(a, b)

@@ -54,14 +54,14 @@ SHAPES = [(8, 16), (12, 12)]
 
 
 def _pair(
-    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], tmp_path: Any, backend: str = "auto"
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], cache_dir: Any, backend: str = "auto"
 ) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(0)
     initial = [torch.randn(*s, generator=gen) for s in SHAPES]
     eager_params = [torch.nn.Parameter(p.clone()) for p in initial]
     compiled_params = [torch.nn.Parameter(p.clone()) for p in initial]
     eager = factory(eager_params)
-    compiled = hocompile.compile_optimizer(factory(compiled_params), cache_dir=tmp_path, backend=backend)
+    compiled = hocompile.compile_optimizer(factory(compiled_params), cache_dir=cache_dir, backend=backend)
     return eager, eager_params, compiled, compiled_params
 
 
@@ -104,11 +104,11 @@ BACKENDS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("factory", [_soap, _shampoo], ids=["soap-eigh", "shampoo"])
 def test_failed_eigh_runs_the_step_eagerly_with_its_float64_retry(
-    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], tmp_path: Any, backend: str
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], cache_dir: Any, backend: str
 ) -> None:
     if backend == "triton":
         pytest.importorskip("triton")
-    eager, eager_params, compiled, compiled_params = _pair(factory, tmp_path, backend)
+    eager, eager_params, compiled, compiled_params = _pair(factory, cache_dir, backend)
     for k in range(3):  # first step and the steady state compile; from then on cache hits
         _step(eager, eager_params, k)
         _step(compiled, compiled_params, k)
@@ -143,11 +143,11 @@ def test_failed_eigh_runs_the_step_eagerly_with_its_float64_retry(
     assert compiled.counters.compiles == compiles and compiled.counters.eager_fallbacks == 1
 
 
-def test_nothing_is_written_back_before_the_last_eigh(tmp_path: Any) -> None:
+def test_nothing_is_written_back_before_the_last_eigh(cache_dir: Any) -> None:
     """In the generated module every ``copy_`` into a param or state follows the last eigh
     (with Shampoo's roots recognised, the eigh runs inside ``hocompile.inverse_root``, whose
     kernel the aten lowering calls directly)."""
-    _, _, compiled, compiled_params = _pair(_shampoo, tmp_path)
+    _, _, compiled, compiled_params = _pair(_shampoo, cache_dir)
     for k in range(2):
         _step(compiled, compiled_params, k)
     entry = compiled.history[-1]
@@ -159,10 +159,10 @@ def test_nothing_is_written_back_before_the_last_eigh(tmp_path: Any) -> None:
     assert min(copies) > max(eighs)
 
 
-def test_float64_failing_too_keeps_eager_semantics(tmp_path: Any) -> None:
+def test_float64_failing_too_keeps_eager_semantics(cache_dir: Any) -> None:
     """When the float64 retry fails too, the step does what eager does: Shampoo keeps the
     previous roots (no error), SOAP raises its LinAlgError."""
-    _, _, compiled, compiled_params = _pair(_shampoo, tmp_path)
+    _, _, compiled, compiled_params = _pair(_shampoo, cache_dir)
     for k in range(2):
         _step(compiled, compiled_params, k)
     twin, twin_params = _twin(_shampoo, compiled, compiled_params)
@@ -173,7 +173,7 @@ def test_float64_failing_too_keeps_eager_semantics(tmp_path: Any) -> None:
     for a, b in zip(twin_params, compiled_params):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
-    _, _, compiled, compiled_params = _pair(_soap, tmp_path)
+    _, _, compiled, compiled_params = _pair(_soap, cache_dir)
     for k in range(2):
         _step(compiled, compiled_params, k)
     with FailingEigh(dtype=None), pytest.raises(torch.linalg.LinAlgError, match="injected"):

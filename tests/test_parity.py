@@ -91,13 +91,13 @@ def test_none_grads_are_skipped_like_eager(cache_dir) -> None:
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     opt=st.sampled_from(["adamw", "sgd", "muon"]),
 )
-def test_shapes_and_dtypes(shapes, dtype, opt, tmp_path_factory) -> None:
+def test_shapes_and_dtypes(shapes, dtype, opt, new_cache_dir) -> None:
     factories = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
         "muon": lambda ps: torch.optim.Muon(ps, lr=0.02),
     }
-    pair = Pair(factories[opt], shapes, tmp_path_factory.mktemp("cache"))
+    pair = Pair(factories[opt], shapes, new_cache_dir())
     for group_params in (pair.eager_params, pair.compiled_params):
         for i, p in enumerate(group_params):
             group_params[i] = p.to(dtype)
@@ -107,7 +107,7 @@ def test_shapes_and_dtypes(shapes, dtype, opt, tmp_path_factory) -> None:
     from hocompile import compile_optimizer
 
     pair.compiled = compile_optimizer(
-        inner, cache_dir=tmp_path_factory.mktemp("cache2"), disable_passes=["fuse-newton-schulz"]
+        inner, cache_dir=new_cache_dir(), disable_passes=["fuse-newton-schulz"]
     )
     for _ in range(3):
         pair.step()

@@ -275,12 +275,12 @@ def test_compiled_mop_batched_and_gram_eigh_stay_close(tmp_path: Path) -> None:
         assert max(diffs) < 1e-4, (method, diffs)
 
 
-def test_in_the_default_pipeline_with_verify(tmp_path: Path) -> None:
+def test_in_the_default_pipeline_with_verify(cache_dir: Path) -> None:
     """Where the lead's pipeline will put it (after fuse-newton-schulz): bitwise eager, verify passes."""
     from hocompile.passes import default_pipeline
     from hocompile.targets import resolve_target
 
-    settings = Settings.resolve(cache_dir=tmp_path, verify=3)
+    settings = Settings.resolve(cache_dir=cache_dir, verify=3)
     pipeline = default_pipeline(resolve_target("auto", settings.cache_dir, torch.device("cpu")))
     names = [p.name for p in pipeline]
     at = names.index("fuse-newton-schulz") + 1

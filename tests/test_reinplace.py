@@ -67,7 +67,10 @@ def _compiled(name: str, cache: Path, monkeypatch: pytest.MonkeyPatch, inplace: 
         monkeypatch.setattr(aten_lowering, "reinplace", lambda graph: [])
         monkeypatch.setattr(aten_lowering, "reuse_temporaries", lambda graph: [])
     params = _params()
-    compiled = hocompile.compile_optimizer(OPTIMIZERS[name](params), cache_dir=cache)
+    # A nominal target, planned by its rates: on this CPU choose-algorithm times Muon's NS
+    # candidates per compile, and under load the plain and the re-inplaced compile once chose
+    # different precisions (not bitwise, for a reason that is not re-inplacing's).
+    compiled = hocompile.compile_optimizer(OPTIMIZERS[name](params), cache_dir=cache, target="cpu-avx2")
     return compiled, params
 
 

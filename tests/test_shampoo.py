@@ -353,19 +353,19 @@ def compiled_matches_eager(cfg: dict[str, Any], cache_dir: Any, steps: int) -> A
     ],
     ids=["newton-wd", "blocked-one-sided"],
 )
-def test_compiled_equals_eager_bitwise(cfg: dict[str, Any], tmp_path: Any) -> None:
+def test_compiled_equals_eager_bitwise(cfg: dict[str, Any], cache_dir: Any) -> None:
     """20 steps, refresh every 5, cosine lr schedule. (The default configuration, eigh with
     Adam grafting, runs 100 steps in test_100_steps_compile_each_variant_once.)"""
-    compiled_matches_eager(cfg, tmp_path, steps=20)
+    compiled_matches_eager(cfg, cache_dir, steps=20)
 
 
-def test_100_steps_compile_each_variant_once(tmp_path: Any) -> None:
+def test_100_steps_compile_each_variant_once(cache_dir: Any) -> None:
     """Default Shampoo (eigh, Adam grafting), refresh every 5, cosine schedule, 100 steps: bitwise
     equal to eager, and three variants (the first step, which creates the state; the steps between
     refreshes; the refresh), each compiled once; the other 97 steps are cache hits. The refresh
     is another outcome of a branch on the host step counter: a variant, not a recompile.
     """
-    opt = compiled_matches_eager({}, tmp_path, steps=100)
+    opt = compiled_matches_eager({}, cache_dir, steps=100)
     counters = opt.counters
     assert counters.compiles == 3 and counters.cache_hits == 97
     assert counters.recompiles == []
