@@ -446,9 +446,15 @@ def test_max_batch_setting_caps_groups() -> None:
     for p in params:
         p.grad = torch.empty_like(p)
         opt.state[p]["momentum_buffer"] = torch.empty_like(p)
-    assert "12 ops in 1 batched op(s)" in hocompile.plan(opt, target="sm90")
-    assert "12 ops in 3 batched op(s)" in hocompile.plan(opt, target="sm90", max_batch=5)  # 5 + 5 + 2
-    assert "12 ops in 2 batched op(s)" in hocompile.plan(opt, target="sm90", max_stack_bytes=6 * 32 * 64 * 4 * 2)
+    # Traced whole, batch-by-shape stacks the twelve calls; stamped, the plan reports the stacks the
+    # class's members would run in, under the same caps.
+    whole = {"target": "sm90", "stamp": False}
+    assert "12 ops in 1 batched op(s)" in hocompile.plan(opt, **whole)
+    assert "12 ops in 3 batched op(s)" in hocompile.plan(opt, **whole, max_batch=5)  # 5 + 5 + 2
+    assert "12 ops in 2 batched op(s)" in hocompile.plan(opt, **whole, max_stack_bytes=6 * 32 * 64 * 4 * 2)
+    assert "x12 = 19.7 MFLOP, 19.9 ns predicted, in 1 stack(s) of 12 at most" in hocompile.plan(opt, target="sm90")
+    assert "in 3 stack(s) of 5 at most" in hocompile.plan(opt, target="sm90", max_batch=5)
+    assert "in 2 stack(s) of 6 at most" in hocompile.plan(opt, target="sm90", max_stack_bytes=6 * 32 * 64 * 4 * 2)
     with pytest.raises(ValueError, match="max_batch must be a positive int"):
         hocompile.compile_optimizer(opt, max_batch=0)
 

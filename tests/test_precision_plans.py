@@ -124,6 +124,7 @@ sm103    fp32[7168, 18432]  fp8_e4m3*1+fp16*4: error 0.0421 within budget (no wo
             _ascii(hocompile.plan(_muon(GPT2), target="sm100")),
             """\
 plan for Muon.step on sm100 (GEMM TFLOP/s: bf16 2250, fp16 2250, fp32 80, fp8 4500, mxfp8 4500, tf32 1100; stacks run as bmm):
+  traced whole: 4 classes for 4 params: tracing one and two per class would cost as much
   canonicalize: removed 2 identity/copy ops and 1 dead nodes
   fuse-newton-schulz: fused 4 Newton-Schulz chain(s)
   fuse-polar: no svd -> U @ Vh found

@@ -95,7 +95,7 @@ class BatchByShape(Pass):
             if len(members) < 2:
                 continue
             rule = rules[op]
-            per_call = max(_stack_bytes(rule, node, spec) for node, spec in members)
+            per_call = max(stack_bytes_of(rule, node, spec) for node, spec in members)
             cap = max(1, min(self.max_batch, limit // max(1, per_call)))
             for start in range(0, len(members), cap):
                 # Specs are re-read now: an earlier group's rewrite may have replaced a
@@ -157,7 +157,7 @@ def _threads_pay(node: fx.Node, family: Any) -> bool:
     return bool(rule.per_matrix_threads(family.spec_of(node)))
 
 
-def _stack_bytes(rule: BatchRule, node: fx.Node, spec: Any) -> int:
+def stack_bytes_of(rule: BatchRule, node: fx.Node, spec: Any) -> int:
     """Bytes one member adds to a stack: the rule's, else its tensor inputs plus its output."""
     if rule.stack_bytes is not None:
         return int(rule.stack_bytes(spec))

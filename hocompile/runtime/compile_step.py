@@ -249,7 +249,10 @@ def with_stack_members(pipeline: tuple[Pass, ...], stamp: Stamp, settings: Setti
         return pipeline
     members = tuple(((c.group, c.rep), len(c.members)) for c in stamp.classes)
     cap = settings.max_batch or StackMembers.max_batch
-    return (*pipeline, StackMembers(target=target, members=members, max_batch=cap, cache_dir=settings.cache_dir))
+    stack_bytes = settings.max_stack_bytes or StackMembers.max_stack_bytes
+    stack = StackMembers(target=target, members=members, max_batch=cap, max_stack_bytes=stack_bytes,
+                         cache_dir=settings.cache_dir)
+    return (*pipeline, stack)
 
 
 def _run_passes(

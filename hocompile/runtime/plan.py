@@ -26,6 +26,7 @@ from ..decisions import format_seconds
 from ..distributed.plan import Item, assign_buckets, assign_owners
 from ..graph import decisions
 from ..lowering.class_programs import CHUNK_BYTES, temporaries_bytes
+from ..passes.batch_by_shape import BatchByShape, stack_bytes_of
 from ..passes.dist_ownership import BUCKET_BYTES, ITEM_COST, MIN_ITEMS_PER_RANK
 from ..registry import registered_calls
 from ..settings import Settings
@@ -58,14 +59,26 @@ def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings:
     lines += [f"  {line}" for line in step.stamp.describe()[:1]]
     lines.append(f"  passes (on the representatives, {step.pass_seconds:.2f} s):")
     lines += [f"    {r.name}: {r.summary}" for r in records]
-    lines += _classes(optimizer, step, target)
+    lines += _classes(optimizer, step, target, resolved)
     lines += _memory(optimizer, step)
     if world:
         lines += _ownership(step, world)
     return "\n".join(lines) + "\n"
 
 
-def _classes(opt: torch.optim.Optimizer, step: CompiledStep, target: Target) -> list[str]:
+def _stacks(node: Any, family: Any, count: int, target: Target, settings: Settings) -> str:
+    """How batch-by-shape would stack a class's ``count`` calls on a target that stacks (its caps:
+    max_batch, max_stack_bytes or the target's bytes); empty where it would not."""
+    rule = family.batch
+    if not target.prefers_batched or rule is None or count < 2 or node.meta["val"].dim() != 2:
+        return ""
+    limit = settings.max_stack_bytes if settings.max_stack_bytes is not None else target.stack_bytes
+    per_call = stack_bytes_of(rule, node, family.spec_of(node))
+    cap = max(1, min(settings.max_batch or BatchByShape.max_batch, count, limit // max(1, per_call)))
+    return f", in {-(-count // cap):,} stack(s) of {cap:,} at most"
+
+
+def _classes(opt: torch.optim.Optimizer, step: CompiledStep, target: Target, settings: Settings) -> list[str]:
     assert step.stamp is not None and step.programs is not None
     lines = ["  classes:"]
     total_flops = total_s = 0.0
@@ -87,6 +100,7 @@ def _classes(opt: torch.optim.Optimizer, step: CompiledStep, target: Target) -> 
             lines.append(
                 f"      {family.title}: {each} per member; x{count:,} = {_amount(cost.flops * count, 'FLOP')}"
                 + (f", {format_seconds(seconds * count)} predicted" if seconds is not None else "")
+                + _stacks(node, family, count, target, settings)
             )
     step_line = f"  the step: {_amount(total_flops, 'FLOP')} in registered ops"
     if timed and total_flops:
