@@ -20,7 +20,8 @@ Sections (each guarded: an error is recorded in the JSON and the next section ru
   hocompile with NS pinned to bf16; first and second call (both compile), steady median (wall with sync, and
   CUDA events), ratio vs eager, NS TFLOP/s, launches per step (hocompile's count and the profiler's), memory.
 - shampoo_family (gpu_check_shampoo.py): SOAP, REKLS, MOP, PolarGrad (emerging-optimizers) and hocompile's Shampoo
-  on one GPT-2 layer's matrices, eager vs compile_optimizer (backend auto): step times, params vs eager.
+  on one GPT-2 layer's matrices, eager vs compile_optimizer (backend auto): step times, params vs eager
+  (--smoke: SOAP and Shampoo only, gpu_check_shampoo.SMOKE_FAMILY).
 - distributed (gpu_check_dist.py): with more than one GPU, replicated Muon on the Triton backend at world
   min(GPUs, 8), NCCL: bitwise the single-process Triton step on every rank. Skipped on one GPU.
 

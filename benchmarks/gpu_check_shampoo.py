@@ -22,6 +22,7 @@ import hocompile
 
 SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
 SF_SMOKE_SHAPES = [(16, 24), (24, 16)]  # a tall/wide pair: factors of both sides, a stacked factor_update
+SMOKE_FAMILY = ("SOAP", "Shampoo")
 SF_CHECK_STEPS = 3  # steps on distinct grads before params are compared (SOAP/Shampoo build their bases at step 1)
 SF_REL_TOL = 2e-2  # max |p_compiled - p_eager| / |p_eager - p0| per param, as tiny_transformer's default tolerance
 
@@ -179,7 +180,11 @@ def section(
     out.update(shapes=shapes, check_steps=SF_CHECK_STEPS, rel_tol=SF_REL_TOL)
     if ctx.cuda:  # the interpreter would take minutes at these shapes; tests/test_factor_triton.py covers CPU
         _kernel_check(ctx, out, shapes, timed)
-    for name, build in _shampoo_family().items():
+    family = _shampoo_family()
+    if ctx.smoke:  # the section's code path once per kind (eigenbasis, inverse root): each interpreted
+        # optimizer costs ~6 s of CI, and every one has its own Triton test (tests/test_*triton*.py)
+        family = {name: family[name] for name in SMOKE_FAMILY}
+    for name, build in family.items():
         limit = ctx.left() - ctx.reserve_after("shampoo_family") - 5
         if limit < 30:
             out[name] = {"skipped": f"{limit:.0f} s of the budget left"}

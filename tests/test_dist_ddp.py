@@ -77,8 +77,8 @@ def local_result(name: str) -> list[torch.Tensor]:
         return _LOCAL[name]
 
 
-def assert_bitwise_equal_to_local(test: MultiThreadedTestCase) -> None:
-    for name in OPTIMIZERS:
+def assert_bitwise_equal_to_local(test: MultiThreadedTestCase, names: tuple[str, ...] = tuple(OPTIMIZERS)) -> None:
+    for name in names:
         ddp, got = run(name, "replicated")
         want = local_result(name)
         for k, (a, b) in enumerate(zip(got, want)):
@@ -179,7 +179,9 @@ class TestReplicatedWorld4(_Threaded):
     WORLD = 4
 
     def test_bitwise_equal_to_single_process(self) -> None:
-        assert_bitwise_equal_to_local(self)
+        # One optimizer here: four ranks trace in one process's threads (4x the compile), and
+        # UserMuon's spelling is covered at worlds 2 and 3.
+        assert_bitwise_equal_to_local(self, ("torch.optim.Muon",))
 
 
 # MoE-style expert weights: [E, m, n] params orthogonalised per expert (UserMuon's NS takes any
