@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from .diskcache import CacheWarning
 from .distributed.check import DistributedMismatchError
+from .executed_files import CompiledHelperWarning
 from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
 from .runtime.compiled_optimizer import LinAlgFallbackWarning, RecompileLimitWarning
@@ -193,6 +194,7 @@ __all__ = [
     "Backend",
     "CacheWarning",
     "CaptureError",
+    "CompiledHelperWarning",
     "CompiledOptimizer",
     "Distributed",
     "DistributedMismatchError",

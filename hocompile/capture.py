@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import traced_collectives
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
-from .executed_files import ExecutedFiles
+from .executed_files import ExecutedFiles, compiled_helpers_note
 from .graph import InputSlot, graph_stats
 from .host_scalars import (
     CaptureError,
@@ -399,6 +399,8 @@ def _capture(
     sharded = mark_sharded(gm, [slot_tensor(opt, s) for s in slots], slots, outputs)
     gm.recompile()
     notes = []
+    if files.compiled:
+        notes.append(compiled_helpers_note(type(opt).__name__, list(files.compiled)))
     if any(p != "highest" for p in first.matmul_precisions):
         # On CPU aten ignores it (measured: identical fp32 mm results); a GPU
         # lowering must honour it, since there it means TF32 / bf16 passes.

@@ -18,7 +18,9 @@ in the eager copies (the module attributes are swapped for the originals for
 the duration of the step): the reference is the code as written, not what
 Inductor makes of it, whose fused pointwise ops round differently and would
 take seconds per shape to build. The compiled copies step with the decorated
-functions in place, so hocompile meets what a user's step calls.
+functions in place, so hocompile meets what a user's step calls (and says so: a
+CompiledHelperWarning naming each such function, since there the compiled step
+is the plain Python's arithmetic, not Inductor's).
 
 If the first compiled step raises :class:`hocompile.CaptureError`, the harness
 checks that nothing was changed and then runs ``fallback="eager"`` against a
