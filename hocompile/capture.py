@@ -102,6 +102,7 @@ class _TraceResult:
     changes: list[Change]
     counters: list[CounterRead]
     matmul_precisions: list[str]
+    fused_kernels: list[str] = field(default_factory=list)
 
 
 def unwrapped_step(opt: torch.optim.Optimizer) -> Any:
@@ -306,10 +307,13 @@ def _trace(
                 "a data-dependent host read cannot be compiled; fallback='eager' runs such a step eagerly)"
             )
         elif any(group.get("fused") for group in opt.param_groups):
+            # torch's fused Adam/AdamW/SGD/Adagrad kernels are traced as opaque ops (fused_kernels.py);
+            # another class's fused kernel, or a new overload, is not.
             raise CaptureError(
-                f"{type(opt).__name__} uses fused=True: torch's fused kernel cannot be traced here; construct it "
-                "with fused=False, or pass fallback='eager' to keep the fused kernel "
-                f"(tracing failed: {type(exc).__name__}: {str(exc)[:200]})"
+                f"{type(opt).__name__} uses fused=True, and its fused kernel could not be traced (hocompile "
+                "traces torch's fused Adam, AdamW, SGD and Adagrad kernels); construct it with fused=False, or "
+                f"pass fallback='eager' to keep the fused kernel (tracing failed: {type(exc).__name__}: "
+                f"{str(exc)[:200]})"
             ) from exc
         elif lifted and isinstance(exc, TypeError):
             names = ", ".join(s.describe() for s in sorted(lifted, key=repr))
@@ -322,7 +326,7 @@ def _trace(
         ) from exc
     return _TraceResult(
         gm, tracker, result["assigns"], result["clears"], result["changes"],
-        result.get("counters", []), sorted(mode.matmul_precisions),
+        result.get("counters", []), sorted(mode.matmul_precisions), sorted(mode.fused_kernels),
     )
 
 
@@ -401,6 +405,11 @@ def _capture(
     notes = []
     if files.compiled:
         notes.append(compiled_helpers_note(type(opt).__name__, list(files.compiled)))
+    if first.fused_kernels:
+        notes.append(
+            f"fused=True: torch's {', '.join(first.fused_kernels)} kernel runs inside the step as an opaque op "
+            "(hocompile_torch::, bitwise eager's fused step; it copies the lists it updates once per step)"
+        )
     if any(p != "highest" for p in first.matmul_precisions):
         # On CPU aten ignores it (measured: identical fp32 mm results); a GPU
         # lowering must honour it, since there it means TF32 / bf16 passes.

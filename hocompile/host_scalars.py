@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import fused_kernels
 from .host_state import MISSING
 from .scalars import (
     MATH_BINARY,
@@ -97,6 +98,7 @@ class HostScalarMode(TorchFunctionMode):
         # float32 matmul precisions in force at the step's matmuls
         # (emerging-optimizers switches it around its Newton-Schulz).
         self.matmul_precisions: set[str] = set()
+        self.fused_kernels: set[str] = set()  # torch's fused optimizer kernels the step ran
 
     def __enter__(self) -> HostScalarMode:
         # math.sqrt(x) of a float subclass reads its payload and returns a plain
@@ -142,6 +144,9 @@ class HostScalarMode(TorchFunctionMode):
                 return made
         # Values of mirrored counters after this call, computed before it runs
         # (an in-place op changes what its operands read).
+        if func in fused_kernels.KERNELS:  # fused=True: torch's kernel as an opaque functional op
+            self.fused_kernels.add(name)
+            return fused_kernels.traced_call(func, args, kwargs)
         updates = self._updates(name, args, kwargs) if self.mirrors else []
         out = func(*args, **kwargs)
         for tensor, value in updates:

@@ -150,7 +150,6 @@ def _constructible(cfg: Config) -> bool:
 
 # Configs hocompile refuses by design, and what the refusal must say.
 LIMITATIONS: list[tuple[Callable[[Config], bool], str]] = [
-    (lambda c: bool(c.kwargs.get("fused")), "fused=True"),
     (lambda c: c.optimizer == "SparseAdam", "SparseAdam"),
     (lambda c: c.optimizer == "LBFGS", "closure"),
     # Adafactor scales its update by param.norm().item() and update.norm().item().
