@@ -181,6 +181,8 @@ def _trace(
     step = unwrapped_step(opt)
 
     def lift(slot: HostSlot, real: Any, index: int) -> HyperParam:
+        if isinstance(real, HyperParam):  # a group value swap_in_hyperparams already tracks: its real value
+            real = tracker.real_value(real.expr)
         tracker.real[slot.name()] = real
         return tracker.make(sentinel(float(real), 500 + index, salt), input_expr(slot.name()))
 
