@@ -8,9 +8,9 @@ the pattern each exercises. The contract, per class, over 10 steps with the
 learning rate changed before every step:
 
 - EITHER it compiles, and
-  - with the Newton–Schulz passes off it matches eager bit for bit after every
-    step (params, grads, optimizer state), and leaves no tracing-time fake
-    tensor anywhere in the optimizer;
+  - with every pass off it matches eager bit for bit after every step (params,
+    grads, optimizer state), through a state_dict round trip at step 5, and
+    leaves no tracing-time fake tensor anywhere in the optimizer;
   - with the default pipeline (a fixed CPU target: fp32 GEMMs fast, bf16 slow)
     each matrix's trajectory stays at least as close to the exact-NS (float64)
     trajectory as eager's is (≤ 1.25×, as in test_newton_schulz.py), 1-D params
