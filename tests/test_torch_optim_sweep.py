@@ -1,8 +1,9 @@
 """Every torch.optim optimizer × variant against eager (configs: torch_optim_configs.py).
 
 Each config either matches eager bitwise over 10 steps with the learning rate
-changing every step (params and every state entry, max abs diff 0, under the
-exact pipeline and, where there is no Newton–Schulz op, the default one too)
+changing every step and a state_dict round trip at step 5 (params and every
+state entry, max abs diff 0, with every pass off, and also under the NS-passes-off
+pipeline for Muon and the default one where there is no Newton–Schulz op)
 with no recompile after the steady state, or refuses at the first step with a
 CaptureError / UnsupportedParameterError that changed nothing and names what
 is unsupported: torch's own reason when eager rejects the config too, the

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 import hocompile
+from hocompile.passes import default_pipeline
+from hocompile.targets import Target
 
 from .helpers import EXACT, make_params
 
@@ -226,11 +228,15 @@ def _first_sentence(text: str, limit: int = 160) -> str:
 
 
 def pipelines_for(cfg: Config) -> dict[str, dict[str, Any]]:
-    """EXACT keeps eager's arithmetic; optimizers without a Newton–Schulz op
-    must be bitwise under the default pipeline as well."""
+    """Every pass off is eager's arithmetic; Muon with the NS passes off (EXACT: the other passes
+    on) keeps it too; optimizers without a Newton–Schulz op must be bitwise under the default
+    pipeline as well."""
     if cfg.optimizer == "Muon":
-        return {"exact": EXACT}
-    return {"exact": EXACT, "default": {}}
+        return {"every pass off": EVERY_PASS_OFF, "exact": EXACT}
+    return {"every pass off": EVERY_PASS_OFF, "default": {}}
+
+
+EVERY_PASS_OFF: dict[str, Any] = {"disable_passes": tuple(p.name for p in default_pipeline(Target("cpu-avx2")))}
 
 
 def _snapshot(opt: torch.optim.Optimizer) -> list[Any]:
@@ -317,6 +323,8 @@ def run(cfg: Config, cache_dir: Path, compile_kw: dict[str, Any], steps: int = S
     compiled = hocompile.compile_optimizer(inner, cache_dir=cache_dir, **compile_kw)
     lr0 = eager.param_groups[0]["lr"]
     for step in range(steps):
+        if step == steps // 2:  # a state_dict round trip (eager's, deep-copied: torch keeps tensors as they are)
+            compiled.load_state_dict(copy.deepcopy(eager.state_dict()))
         lr = lr0 * (1.0 - 0.05 * step)  # a scheduler: a new float every step
         for group in eager.param_groups + compiled.param_groups:
             group["lr"] = lr
