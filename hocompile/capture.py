@@ -23,7 +23,6 @@ import contextlib
 import logging
 import threading
 import time
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .capture_errors import check_state_substitutable, tracing_error
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import traced_collectives
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
@@ -44,7 +44,6 @@ from .host_scalars import (
     is_float,
     restore_groups,
     swap_in_hyperparams,
-    user_line,
 )
 from .host_state import MISSING, Change, HostSlot, HostUpdate, host_updates, needs_lifting
 from .scalars import Guard, HyperParam, ScalarProgram, ScalarTracker, build_scalar_program, input_expr, sentinel
@@ -289,43 +288,7 @@ def _trace(
     except CaptureError:
         raise
     except Exception as exc:
-        hint = ""
-        if "dynamo-optimized" in str(exc):
-            hint = (
-                " (the step calls torch.compile'd functions, which cannot be traced; heavyball: "
-                "set heavyball.utils.compile_mode = None to trace its plain Python)"
-            )
-        elif "convert all Tensors to FakeTensors" in str(exc):
-            hint = (
-                " (the step uses tensors hocompile does not substitute: it substitutes params, grads, "
-                "tensors in `state`, tensor attributes and tensor values of param_groups; not tensors inside "
-                "lists or other containers (e.g. views of a buffer kept in a group), a sub-optimizer's own "
-                "state, or tensors captured elsewhere)"
-            )
-        elif "data-dependent" in str(exc):
-            where = user_line(traceback.extract_tb(exc.__traceback__))
-            hint = (
-                f" (the step branches on a tensor's value in Python{where}; "
-                "a data-dependent host read cannot be compiled; fallback='eager' runs such a step eagerly)"
-            )
-        elif any(group.get("fused") for group in opt.param_groups):
-            # torch's fused Adam/AdamW/SGD/Adagrad kernels are traced as opaque ops (fused_kernels.py);
-            # another class's fused kernel, or a new overload, is not.
-            raise CaptureError(
-                f"{type(opt).__name__} uses fused=True, and its fused kernel could not be traced (hocompile "
-                "traces torch's fused Adam, AdamW, SGD and Adagrad kernels); construct it with fused=False, or "
-                f"pass fallback='eager' to keep the fused kernel (tracing failed: {type(exc).__name__}: "
-                f"{str(exc)[:200]})"
-            ) from exc
-        elif lifted and isinstance(exc, TypeError):
-            names = ", ".join(s.describe() for s in sorted(lifted, key=repr))
-            hint = (
-                f" (the step updates {names} itself, so hocompile makes it a host input; a counter that "
-                "is used as an int, e.g. in range() or as an index, cannot be compiled)"
-            )
-        raise CaptureError(
-            f"tracing {type(opt).__name__}.step failed: {type(exc).__name__}: {exc}{hint}"
-        ) from exc
+        raise tracing_error(opt, exc, lifted) from exc
     return _TraceResult(
         gm, tracker, result["assigns"], result["clears"], result["changes"],
         result.get("counters", []), sorted(mode.matmul_precisions), sorted(mode.fused_kernels),
@@ -380,6 +343,7 @@ def _capture(
     opt: torch.optim.Optimizer, structural: frozenset[str], view: TraceView | None
 ) -> CapturedStep:
     start = time.perf_counter()
+    check_state_substitutable(opt)
     slots = input_slots(opt, view)
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")

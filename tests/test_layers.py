@@ -30,7 +30,7 @@ LAYERS = {
     "numerics": ("newton_schulz", "precision", "optimizers"),
     "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
                 "ops", "ops_schema", "families", "targets", "distributed", "classes", "graph_codec",
-                "executed_files", "fused_kernels"),
+                "executed_files", "fused_kernels", "capture_errors"),
     "passes": ("passes",),
     "lowering": ("lowering",),
     "runtime": ("runtime", "settings"),
