@@ -57,6 +57,8 @@ def _freeze(value: Any) -> Any:
         return tuple(_freeze(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):  # in a fixed order: a signature's repr is the same in every process
+        return ("set", tuple(sorted((_freeze(v) for v in value), key=repr)))
     try:
         hash(value)
     except TypeError:
