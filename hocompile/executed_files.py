@@ -5,15 +5,23 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import types
 import warnings
 from typing import Any
 
 import torch
 
-# Dynamo's wrapper around a torch.compile'd function (torch/_dynamo/eval_frame.py; ``_fn`` in
-# older releases): inside a trace it runs the original function as plain Python.
-_DYNAMO_WRAPPERS = ("compile_wrapper", "_fn")
-_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+
+def _dynamo_wrapper_codes() -> frozenset[types.CodeType]:
+    """The code of Dynamo's wrapper around a torch.compile'd function (defined in
+    ``_TorchDynamoContext.__call__``: ``compile_wrapper``, ``_fn`` in older releases; not
+    DisableContext's): inside a trace it runs the original function as plain Python."""
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+    except ImportError:
+        return frozenset()
+    consts = _TorchDynamoContext.__call__.__code__.co_consts
+    return frozenset(c for c in consts if isinstance(c, types.CodeType) and c.co_name in ("compile_wrapper", "_fn"))
 
 
 class ExecutedFiles:
@@ -30,18 +38,15 @@ class ExecutedFiles:
     def __init__(self) -> None:
         self._codes: set[Any] = set()
         self.compiled: dict[str, None] = {}
+        self._wrappers = _dynamo_wrapper_codes()
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event != "call":
             return
         code = frame.f_code
         self._codes.add(code)
-        if code.co_name in _DYNAMO_WRAPPERS and code.co_filename.endswith(_EVAL_FRAME):
-            from torch._dynamo.eval_frame import DisableContext, _TorchDynamoContext
-
-            context = frame.f_locals.get("self")  # torch._disable_dynamo wraps its functions the same way
-            if not isinstance(context, _TorchDynamoContext) or isinstance(context, DisableContext):
-                return
+        if code in self._wrappers:
+            context = frame.f_locals.get("self")
             if _backend_name(context) == "eager":  # Dynamo runs the plain Python's aten ops: same arithmetic
                 return
             fn = frame.f_locals.get("fn")
