@@ -1,9 +1,12 @@
-"""``fused=True``: torch's fused Adam/AdamW/SGD/Adagrad kernels run inside the compiled step.
+"""``fused=True``: torch's fused Adam/AdamW/SGD/Adagrad kernels.
 
-Captured as opaque ``hocompile_torch::`` ops (hocompile/fused_kernels.py) that run torch's own
-kernel, so every step is bitwise eager's ``fused=True`` step: params and every state tensor, over
-10 steps with an lr change (a Python float, or a tensor lr filled in place) and a state_dict round
-trip, with no recompile after the steady state. GradScaler: tests/test_runtime_robustness.py.
+torch.optim's own fused step is one kernel call over every param: it runs as torch runs it
+(``counters.as_is``, an explain() line). A class that calls the kernels among its own code (here:
+subclasses whose ``step`` is their own) is compiled, the kernels captured as opaque
+``hocompile_torch::`` ops (hocompile/fused_kernels.py) that run torch's own kernel: every step is
+bitwise eager's, params and every state tensor, over 10 steps with an lr change (a Python float,
+or a tensor lr filled in place) and a state_dict round trip, with no recompile after the steady
+state. GradScaler: tests/test_runtime_robustness.py.
 """
 
 from __future__ import annotations
@@ -19,18 +22,32 @@ import hocompile
 
 SHAPES = [(8, 4), (5,), (3, 3, 2)]
 
+def _own_step(cls: type) -> type:
+    """``cls`` with a step of its own (that calls torch's): compiled, not run as is."""
+
+    class OwnStep(cls):  # type: ignore[misc, valid-type]
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    OwnStep.__name__ = f"Own{cls.__name__}"
+    return OwnStep
+
+
+Adam, AdamW, SGD, Adagrad = (_own_step(c) for c in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
+                                                    torch.optim.Adagrad))
+
 CASES: dict[str, Any] = {
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
-    "adam-amsgrad-wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1, fused=True),
-    "adam-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, maximize=True, fused=True),
-    "adam-tensor-lr": lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
-    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, fused=True),
-    "sgd-nesterov-wd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01,
+    "adam": lambda ps: Adam(ps, lr=1e-2, fused=True),
+    "adam-amsgrad-wd": lambda ps: Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1, fused=True),
+    "adam-maximize": lambda ps: Adam(ps, lr=1e-2, maximize=True, fused=True),
+    "adam-tensor-lr": lambda ps: Adam(ps, lr=torch.tensor(1e-2), fused=True),
+    "adamw": lambda ps: AdamW(ps, lr=1e-2, fused=True),
+    "adamw-amsgrad": lambda ps: AdamW(ps, lr=1e-2, amsgrad=True, fused=True),
+    "sgd": lambda ps: SGD(ps, lr=1e-2, fused=True),
+    "sgd-nesterov-wd": lambda ps: SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01,
                                                   fused=True),
-    "sgd-dampening": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5, fused=True),
-    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, fused=True),
+    "sgd-dampening": lambda ps: SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5, fused=True),
+    "adagrad": lambda ps: Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, fused=True),
 }
 
 
@@ -77,10 +94,28 @@ def test_fused_step_is_bitwise_eager_fused(name: str, cache_dir: Path) -> None:
     assert f"hocompile_torch.fused_{name.split('-')[0].replace('adamw', 'adam')}" in code
 
 
-def test_a_fused_step_is_explained_as_torchs_kernel(cache_dir: Path) -> None:
+def test_a_compiled_fused_step_is_explained_as_torchs_kernel(cache_dir: Path) -> None:
     params = _params()
-    compiled = hocompile.compile_optimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), cache_dir=cache_dir)
+    compiled = hocompile.compile_optimizer(AdamW(params, lr=1e-2, fused=True), cache_dir=cache_dir)
     for p in params:
         p.grad = torch.ones_like(p)
     compiled.step()
     assert "fused_adam" in hocompile.explain(compiled)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+], ids=["adamw", "sgd"])
+def test_torchs_own_fused_step_runs_as_is(make: Any, cache_dir: Path) -> None:
+    eager_params, compiled_params = _params(), _params()
+    eager, compiled = make(eager_params), hocompile.compile_optimizer(make(compiled_params), cache_dir=cache_dir)
+    for k in range(3):
+        for pe, pc in zip(eager_params, compiled_params):
+            pe.grad = torch.full_like(pe, 0.1 * (k + 1))
+            pc.grad = pe.grad.clone()
+        eager.step()
+        compiled.step()
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, compiled_params))
+    assert compiled.counters.as_is == 3 and compiled.counters.compiles == 0
+    assert "run as is: fused=True" in hocompile.explain(compiled)

@@ -41,11 +41,32 @@ def _scaled_steps(pair: Pair, steps: int = 5) -> None:
             scaler.update()
 
 
+class _OwnStepSGD(torch.optim.SGD):
+    def step(self, closure=None):  # a step of its own: compiled, the fused kernel captured
+        return super().step(closure)
+
+
+class _OwnStepAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+OWN_STEP = {
+    "sgd": lambda ps: _OwnStepSGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adamw": lambda ps: _OwnStepAdamW(ps, lr=1e-2, fused=True),
+}
+
+
 @pytest.mark.parametrize("name", sorted(FUSED))
 def test_grad_scaler_with_a_fused_optimizer_matches_eager(name: str, cache_dir) -> None:
-    # torch's fused kernel runs inside the compiled step (fused_kernels.py), GradScaler's grad_scale
-    # and found_inf as its tensor inputs: bitwise eager's fused step, the inf step skipped alike.
+    # torch.optim's own fused step runs as is; a class of its own around it is compiled, torch's
+    # kernel inside (fused_kernels.py) with GradScaler's grad_scale and found_inf as tensor inputs:
+    # both bitwise eager's fused step, the inf step skipped alike.
     pair = Pair(FUSED[name], SHAPES, cache_dir)
+    _scaled_steps(pair)
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.as_is == 5 and pair.compiled.counters.compiles == 0
+    pair = Pair(OWN_STEP[name], SHAPES, cache_dir)
     _scaled_steps(pair)
     assert pair.max_rel_diff() == 0.0
     assert pair.compiled.counters.eager_fallbacks == 0 and pair.compiled.counters.compiles == 2

@@ -28,6 +28,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from ..capture import CapturedStep, unwrapped_step
+from ..fused_kernels import runs_as_is
 from ..host_scalars import CaptureError
 from ..host_state import HostSlot
 from ..passes import Pass
@@ -77,6 +78,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # Set when the object is not optimizer-like and fallback="eager": every
         # step is its own, and this says why (explain() shows it).
         self._passthrough = ""
+        self._as_is = ""  # why the step runs as torch runs it (fused_kernels.runs_as_is), once seen
         if not isinstance(optimizer, torch.optim.Optimizer):
             try:
                 _check_optimizer_like(optimizer)
@@ -240,6 +242,12 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        if why := runs_as_is(self._inner):  # torch's own fused step: one kernel, run as torch runs it
+            self._as_is = why
+            self.counters.as_is += 1
+            self.steps += 1
+            unwrapped_step(self._inner)(self._inner)
+            return
         if not any(p.grad is not None for g in self._inner.param_groups for p in g["params"]):
             # Nothing to compile: the eager step is what eager does here (for
             # torch.optim, nothing; a custom step may still tick a counter).

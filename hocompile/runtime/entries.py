@@ -66,6 +66,8 @@ class Counters(Mapping[str, Any]):
     variants: list[str] = field(default_factory=list)
     # Compiled steps loaded from the cache directory's warm-start records instead of traced.
     warm_starts: int = 0
+    # Steps run as torch runs them by design (fused_kernels.runs_as_is: torch's own fused step).
+    as_is: int = 0
 
     def __getitem__(self, key: str) -> Any:
         if key not in _COUNTER_KEYS:
@@ -87,6 +89,7 @@ class Counters(Mapping[str, Any]):
             "recompiles": list(self.recompiles),
             "variants": list(self.variants),
             "warm_starts": self.warm_starts,
+            "as_is": self.as_is,
         }
 
 

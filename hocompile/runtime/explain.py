@@ -42,9 +42,12 @@ def explain(opt: CompiledOptimizer, measure: bool = False) -> str:
         f"{len(inner.param_groups)} param group(s), {n_params} params, {opt.steps} steps",
         f"counters: compiles {c.compiles}, recompiles {len(c.recompiles)}, cache hits {c.cache_hits}, "
         f"disk hits {c.disk_hits}, eager fallbacks {c.eager_fallbacks}"
-        + (f", branch variants {len(c.variants)}" if c.variants else ""),
+        + (f", branch variants {len(c.variants)}" if c.variants else "")
+        + (f", run as is {c.as_is}" if c.as_is else ""),
     ]
-    if not opt.history:
+    if opt._as_is:
+        lines.append(f"run as is: {opt._as_is}")
+    elif not opt.history:
         lines.append("nothing compiled yet: the first step() compiles")
     target = _pipeline_target(opt) if opt.history else None
     for number, entry in enumerate(opt.history, start=1):
