@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hocompile
-from hocompile.passes import default_pipeline
-from hocompile.targets import Target
+
+from .helpers import EVERY_PASS_OFF
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -64,10 +64,6 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in SHAPES]
 
 
-def _every_pass() -> tuple[str, ...]:
-    return tuple(p.name for p in default_pipeline(Target("cpu-avx2")))
-
-
 def _grads(params: list[torch.nn.Parameter], k: int) -> None:
     gen = torch.Generator().manual_seed(100 + k)
     for p in params:
@@ -77,7 +73,7 @@ def _grads(params: list[torch.nn.Parameter], k: int) -> None:
 def test_scion_bf16_ns_on_a_view_is_bitwise_with_every_pass_off(cache_dir: Path) -> None:
     eager_params, compiled_params = _params(), _params()
     eager = Scion(eager_params)
-    compiled = hocompile.compile_optimizer(Scion(compiled_params), disable_passes=_every_pass(), cache_dir=cache_dir)
+    compiled = hocompile.compile_optimizer(Scion(compiled_params), **EVERY_PASS_OFF, cache_dir=cache_dir)
     for k in range(10):
         if k == 4:  # an lr change, then a state_dict round trip
             for opt in (eager, compiled):
@@ -100,7 +96,7 @@ def test_a_torch_compiled_helper_is_named_in_a_warning_and_in_explain(cache_dir:
     # backend="eager" (Dynamo running the same aten ops) goes unnamed (tests/test_host_state.py).
     ns = torch.compile(zeropower_via_newtonschulz5, backend="aot_eager")
     params = _params()
-    compiled = hocompile.compile_optimizer(Scion(params, ns=ns), disable_passes=_every_pass(), cache_dir=cache_dir)
+    compiled = hocompile.compile_optimizer(Scion(params, ns=ns), **EVERY_PASS_OFF, cache_dir=cache_dir)
     _grads(params, 0)
     with pytest.warns(hocompile.CompiledHelperWarning, match=r"zeropower_via_newtonschulz5 \(test_compiled_helpers"):
         compiled.step()

@@ -36,10 +36,8 @@ from typing import Any
 import torch
 
 import hocompile
-from hocompile.passes import default_pipeline
-from hocompile.targets import Target
 
-from .helpers import EXACT, make_params
+from .helpers import EVERY_PASS_OFF, EXACT, make_params
 
 STEPS = 10
 SHAPES = [(4, 3), (5,), (2, 3, 2)]
@@ -235,8 +233,6 @@ def pipelines_for(cfg: Config) -> dict[str, dict[str, Any]]:
         return {"every pass off": EVERY_PASS_OFF, "exact": EXACT}
     return {"every pass off": EVERY_PASS_OFF, "default": {}}
 
-
-EVERY_PASS_OFF: dict[str, Any] = {"disable_passes": tuple(p.name for p in default_pipeline(Target("cpu-avx2")))}
 
 
 def _snapshot(opt: torch.optim.Optimizer) -> list[Any]:

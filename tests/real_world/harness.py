@@ -46,15 +46,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 import hocompile
-from hocompile.passes import default_pipeline
 
+from ..helpers import EVERY_PASS_OFF
 from .corpus import CORPUS_MODULES, Case
 
 STEPS = 10
 AVX2_LIKE = hocompile.Target("avx2-like", {"fp32": 100.0, "bf16": 1.0, "fp16": 1.0})
 EXACT: dict[str, Any] = {"disable_passes": ("fuse-newton-schulz", "choose-algorithm")}
-# The documented promise: with every pass off the compiled step is eager's arithmetic, bit for bit.
-EVERY_PASS_OFF: dict[str, Any] = {"disable_passes": tuple(p.name for p in default_pipeline(AVX2_LIKE))}
 ROUND_TRIP_AT = STEPS // 2
 RATIO_BOUND = 1.25
 
