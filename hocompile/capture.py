@@ -31,17 +31,23 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .capture_containers import ContainerTrace, TreeWrite, container_attributes, leaf_aliases
+from .capture_slots import TraceView, container_value, group_containers, host_env, input_slots, slot_tensor
+
+__all__ = ["CapturedStep", "TraceView", "capture", "container_value", "host_env", "input_slots", "slot_tensor"]
 from .capture_errors import check_state_substitutable, tracing_error
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import traced_collectives
+from .compiled_helpers import TRACED_THROUGH, holds_compiled_calls, opaque_compiled_helpers
+from .containers import holds_tensors
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
 from .executed_files import ExecutedFiles, compiled_helpers_note
 from .graph import InputSlot, graph_stats
+from .host_reads import HostRead, TraceReads, read_programs
 from .host_scalars import (
     CaptureError,
     HostScalarMode,
     counter_name,
-    is_float,
     restore_groups,
     swap_in_hyperparams,
 )
@@ -90,6 +96,13 @@ class CapturedStep:
     # The source files whose code the first trace ran, besides torch's and hocompile's own:
     # the optimizer's, its helpers', a monkeypatch's (the warm start keys on their contents).
     code_files: tuple[str, ...] = ()
+    # Containers of tensors the step creates or reshapes: rebuilt after it (capture_containers.py).
+    trees: tuple[TreeWrite, ...] = ()
+    # Data-dependent host reads, run before the step (host_reads.py): their values are host inputs.
+    reads: tuple[HostRead, ...] = ()
+    # Container leaves that are another input's tensor (leaf, input): checked before every step.
+    leaf_aliases: tuple[tuple[InputSlot, InputSlot], ...] = ()
+    holds_containers: bool = False
 
 
 @dataclass
@@ -102,6 +115,8 @@ class _TraceResult:
     counters: list[CounterRead]
     matmul_precisions: list[str]
     fused_kernels: list[str] = field(default_factory=list)
+    trees: list[TreeWrite] = field(default_factory=list)
+    reads: TraceReads | None = None
 
 
 def unwrapped_step(opt: torch.optim.Optimizer) -> Any:
@@ -111,58 +126,6 @@ def unwrapped_step(opt: torch.optim.Optimizer) -> Any:
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
 
 
-# Which params a trace hands the step, per group: their indices into the group's own
-# list, in order (None: all of them). A reduced trace (classes/stamp.py) runs the step
-# on a few representatives of each parameter class; inputs keep their real indices.
-TraceView = dict[int, list[int]]
-
-
-def input_slots(opt: torch.optim.Optimizer, view: TraceView | None = None) -> list[InputSlot]:
-    """Tensor inputs of the step, in graph order: per param, param, grad, state."""
-    slots: list[InputSlot] = []
-    for g, group in enumerate(opt.param_groups):
-        params = group["params"]
-        for i in range(len(params)) if view is None else view.get(g, []):
-            p = params[i]
-            if p.grad is None:
-                continue
-            slots += [InputSlot("param", g, i), InputSlot("grad", g, i)]
-            state = opt.state.get(p, {})
-            slots += [
-                InputSlot("state", g, i, k)
-                for k in sorted(state)
-                if isinstance(state[k], torch.Tensor)
-            ]
-    # Tensors held as optimizer attributes (GradScaler's grad_scale and
-    # found_inf on a fused optimizer, a user's scale tensor) and tensor
-    # hyperparameters (lr=torch.tensor(0.01)): inputs too, never constants.
-    slots += [InputSlot("attr", -1, -1, k) for k in sorted(vars(opt)) if _tensor_attribute(opt, k)]
-    for g, group in enumerate(opt.param_groups):
-        slots += [InputSlot("group", g, -1, k) for k in sorted(group) if k != "params" and _tensor(group[k])]
-    return slots
-
-
-def _tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def _tensor_attribute(opt: torch.optim.Optimizer, key: str) -> bool:
-    return key != "state" and isinstance(vars(opt)[key], torch.Tensor)
-
-
-def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
-    if slot.kind == "attr":
-        return vars(opt)[slot.key]  # type: ignore[no-any-return]
-    if slot.kind == "group":
-        return opt.param_groups[slot.group][slot.key]  # type: ignore[no-any-return]
-    p = opt.param_groups[slot.group]["params"][slot.index]
-    if slot.kind == "param":
-        return p
-    if slot.kind == "grad":
-        return p.grad
-    return opt.state[p][slot.key]
-
-
 def _trace(
     opt: torch.optim.Optimizer,
     slots: list[InputSlot],
@@ -170,13 +133,17 @@ def _trace(
     salt: int,
     lifted: frozenset[HostSlot] = frozenset(),
     view: TraceView | None = None,
+    opaque: bool = False,
 ) -> _TraceResult:
-    tracker = ScalarTracker(real={})
+    tracker = ScalarTracker(real={}, salt=salt)
     mode = HostScalarMode(tracker, salt)
     result: dict[str, Any] = {}
     real_inputs = [slot_tensor(opt, s) for s in slots]
+    reads = TraceReads(real_inputs)
     if any(is_dtensor(t) for t in real_inputs):
         real_inputs = global_fakes(real_inputs)  # DTensors: the step eager runs sees global shapes
+    else:
+        mode.reader = reads  # data-dependent host reads split the step (host_reads.py); not DTensors'
     step = unwrapped_step(opt)
 
     def lift(slot: HostSlot, real: Any, index: int) -> HyperParam:
@@ -197,7 +164,7 @@ def _trace(
             if host_slot.kind != "state" and not isinstance(host_slot.read(opt), HyperParam):
                 host_slot.write(opt, value)
         for input_slot, tensor in by_slot.items():
-            if input_slot.kind not in ("attr", "group"):
+            if input_slot.kind not in ("attr", "group") or input_slot.leaf >= 0:
                 continue
             real = slot_tensor(opt, input_slot)
             if input_slot.kind == "attr":
@@ -208,12 +175,25 @@ def _trace(
                 name = f"opt.{input_slot.key}" if input_slot.kind == "attr" else f"g{input_slot.group}.{input_slot.key}"
                 mode.track(tensor, name, real.item(), 1000 + len(mode.mirrors))
                 result.setdefault("counters", []).append(CounterRead(name, input_slot))
+        fake_of = {id(real): by_slot[s] for s, real in zip(slots, real_inputs)}  # aliases in containers
+        for key, value in list(saved_attrs.items()):  # a tensor attribute that is a param's (w_q): its fake
+            if key != "state" and isinstance(value, torch.Tensor) and InputSlot("attr", -1, -1, key) not in by_slot:
+                if id(value) in fake_of:
+                    setattr(opt, key, fake_of[id(value)])
+        boxes = ContainerTrace(by_slot, fake_of)
+        for key in container_attributes(opt):  # copies holding fakes: the real ones stay as they are
+            setattr(opt, key, boxes.install(InputSlot("attr", -1, -1, key), vars(opt)[key]))
+        boxed_groups = [(g, key) for g, group in enumerate(groups) for key in group_containers(group)]
+        for g, key in boxed_groups:
+            groups[g][key] = boxes.install(InputSlot("group", g, -1, key), groups[g][key])
         installed = [dict(group) for group in groups]
         installed_attrs = dict(vars(opt))
         fake_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         installed_state: dict[tuple[int, int], dict[str, Any]] = {}
         fakes: dict[tuple[int, int], torch.Tensor] = {}
         changes: list[Change] = []
+        attr_assigns: list[InputSlot] = []
+        attr_values: list[torch.Tensor] = []
         try:
             for g, group in enumerate(groups):
                 original = group["params"]
@@ -228,7 +208,7 @@ def _trace(
                     fp.grad = by_slot[InputSlot("grad", g, i)]
                     params[k] = fp
                     fakes[(g, i)] = fp
-                    entry = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result)
+                    entry = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result, boxes)
                     for key in entry:
                         if (hs := HostSlot("state", key, g, i)) in host_inputs:
                             entry[key] = host_inputs[hs]
@@ -236,15 +216,31 @@ def _trace(
                     installed_state[(g, i)] = dict(entry)
                 group["params"] = params
             opt.state = fake_state
-            with mode:
+            helpers = opaque_compiled_helpers(opt, step) if opaque else contextlib.nullcontext()
+            with mode, helpers:  # (torch.compile'd helpers as opaque ops: compiled_helpers.py)
                 step(opt)
         finally:
             opt.state = saved_state
+            boxed = {
+                (g, key) for g, key in boxed_groups
+                if boxes.finish(InputSlot("group", g, -1, key), groups[g].get(key, MISSING), attr_assigns, attr_values)
+            }
             for g, key, after in restore_groups(groups, saved_groups, installed):
+                if (g, key) in boxed:
+                    continue
+                base = InputSlot("group", g, -1, key)
+                if boxes.assign_tensor(base, after, attr_assigns, attr_values) or boxes.finish(
+                    base, after, attr_assigns, attr_values
+                ):
+                    continue  # a tensor, or a container of tensors, the step put in the group
                 changes.append(Change(HostSlot("group", key, g), saved_groups[g].get(key, MISSING), after))
             for key in sorted((set(vars(opt)) | set(installed_attrs)) - {"state"}):
                 after = vars(opt).get(key, MISSING)
-                if after is not installed_attrs.get(key, MISSING):
+                if boxes.finish(InputSlot("attr", -1, -1, key), after, attr_assigns, attr_values):
+                    pass  # a container of tensors: its writes are outputs
+                elif after is not installed_attrs.get(key, MISSING) and not boxes.assign_tensor(
+                    InputSlot("attr", -1, -1, key), after, attr_assigns, attr_values
+                ):
                     changes.append(Change(HostSlot("attr", key), saved_attrs.get(key, MISSING), after))
                 if key not in saved_attrs:
                     delattr(opt, key)
@@ -271,13 +267,17 @@ def _trace(
             for key in list(fake_state[fp]) + [k for k in ours if k not in fake_state[fp]]:
                 value = fake_state[fp].get(key, MISSING)
                 st = InputSlot("state", g, i, key)
+                if boxes.finish(st, value, assigns, values):
+                    continue
                 if isinstance(value, torch.Tensor):
                     if by_slot.get(st) is not value:
                         assigns.append(st)
                         values.append(value)
                 elif value is not ours.get(key, MISSING):
                     changes.append(Change(HostSlot("state", key, g, i), before.get(key, MISSING), value))
-        result.update(assigns=assigns, clears=clears, changes=changes)
+        assigns += attr_assigns
+        values += attr_values
+        result.update(assigns=assigns, clears=clears, changes=changes, trees=boxes.trees)
         return values
 
     try:
@@ -292,6 +292,7 @@ def _trace(
     return _TraceResult(
         gm, tracker, result["assigns"], result["clears"], result["changes"],
         result.get("counters", []), sorted(mode.matmul_precisions), sorted(mode.fused_kernels),
+        result["trees"], reads,
     )
 
 
@@ -302,11 +303,15 @@ def _fake_entry(
     i: int,
     mode: HostScalarMode,
     result: dict[str, Any],
+    boxes: ContainerTrace,
 ) -> dict[str, Any]:
     """One param's state with traced tensors; 0-d tensors become host counters."""
     entry = dict(real_entry)
     for key in entry:
         slot = InputSlot("state", g, i, key)
+        if not isinstance(entry[key], torch.Tensor) and holds_tensors(entry[key]):
+            entry[key] = boxes.install(slot, entry[key])
+            continue
         if slot not in by_slot:
             continue
         entry[key] = by_slot[slot]
@@ -321,6 +326,7 @@ def capture(
     opt: torch.optim.Optimizer,
     structural: frozenset[str],
     view: TraceView | None = None,
+    opaque_helpers: bool = False,
 ) -> CapturedStep:
     """Trace ``opt.step()`` as it would run now into a :class:`CapturedStep`.
 
@@ -331,7 +337,7 @@ def capture(
     """
     try:
         with _TRACE_LOCK:
-            return _capture(opt, structural, view)
+            return _capture(opt, structural, view, opaque_helpers)
     except CaptureError:
         raise
     except Exception as exc:
@@ -340,37 +346,45 @@ def capture(
 
 
 def _capture(
-    opt: torch.optim.Optimizer, structural: frozenset[str], view: TraceView | None
+    opt: torch.optim.Optimizer, structural: frozenset[str], view: TraceView | None, opaque: bool = False
 ) -> CapturedStep:
     start = time.perf_counter()
     check_state_substitutable(opt)
     slots = input_slots(opt, view)
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")
+    aliases = leaf_aliases(opt, slots, lambda s: slot_tensor(opt, s))
     # Python numbers the step rewrites (``group["step"] += 1``) become host
     # inputs; each trace can reveal more of them, so trace until none is new.
     lifted: frozenset[HostSlot] = frozenset()
     files = ExecutedFiles()
     for attempt in range(4):
         with files if attempt == 0 else contextlib.nullcontext():
-            first = _trace(opt, slots, structural, 0, lifted, view)
+            first = _trace(opt, slots, structural, 0, lifted, view, opaque)
         more = needs_lifting(first.changes, lifted)
         if not more:
             break
         lifted |= more
     else:
         raise CaptureError("the step keeps rewriting new Python values on every trace; cannot compile it")
-    second = _trace(opt, slots, structural, 1, lifted, view)
+    second = _trace(opt, slots, structural, 1, lifted, view, opaque)
     updates = host_updates(first.changes, second.changes)
     gm = first.gm
     exprs = lift_scalars(gm, second.gm, first.tracker, second.tracker)
+    reads = read_programs(gm, slots, first.reads) if first.reads is not None and first.reads.nodes else ()
     outputs = functional_outputs(gm, slots, first.assigns)
     finish_placeholders(gm, slots, exprs)
     sharded = mark_sharded(gm, [slot_tensor(opt, s) for s in slots], slots, outputs)
     gm.recompile()
     notes = []
-    if files.compiled:
-        notes.append(compiled_helpers_note(type(opt).__name__, list(files.compiled)))
+    compiled = [n for n in files.compiled if not opaque or n.split(" (")[0] in TRACED_THROUGH]
+    if compiled:
+        notes.append(compiled_helpers_note(type(opt).__name__, compiled))
+    if holds_compiled_calls(gm):
+        notes.append(
+            "torch.compile'd helpers run as the user compiled them (hocompile_torch::compiled_call: eager's "
+            "kernels, bitwise; Newton–Schulz fusion is off, so nothing inside them is replanned)"
+        )
     if first.fused_kernels:
         notes.append(
             f"fused=True: torch's {', '.join(first.fused_kernels)} kernel runs inside the step as an opaque op "
@@ -398,21 +412,8 @@ def _capture(
         stats=graph_stats(gm),
         sharded=sharded,
         code_files=files.files(),
+        trees=tuple(first.trees),
+        reads=reads,
+        leaf_aliases=aliases,
+        holds_containers=bool(first.trees) or aliases != () or any(s.leaf >= 0 for s in slots),
     )
-
-
-def host_env(opt: torch.optim.Optimizer, captured: CapturedStep) -> dict[str, Any]:
-    """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
-    env: dict[str, Any] = {}
-    for g, group in enumerate(opt.param_groups):
-        for key, value in group.items():
-            if is_float(value):
-                env[f"g{g}.{key}"] = value
-            elif isinstance(value, (tuple, list)) and value and is_float(value[0]):
-                for i, v in enumerate(value):
-                    env[f"g{g}.{key}[{i}]"] = v
-    for counter in captured.counters:
-        env[counter.name] = slot_tensor(opt, counter.slot).item()
-    for slot in captured.lifted:
-        env[slot.name()] = slot.read(opt)
-    return env

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 
-def _dynamo_wrapper_codes() -> frozenset[types.CodeType]:
+def dynamo_wrapper_codes() -> frozenset[types.CodeType]:
     """The code of Dynamo's wrapper around a torch.compile'd function (defined in
     ``_TorchDynamoContext.__call__``: ``compile_wrapper``, ``_fn`` in older releases; not
     DisableContext's): inside a trace it runs the original function as plain Python."""
@@ -38,7 +38,7 @@ class ExecutedFiles:
     def __init__(self) -> None:
         self._codes: set[Any] = set()
         self.compiled: dict[str, None] = {}
-        self._wrappers = _dynamo_wrapper_codes()
+        self._wrappers = dynamo_wrapper_codes()
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event != "call":
@@ -85,13 +85,14 @@ class CompiledHelperWarning(UserWarning):
 
 def compiled_helpers_note(optimizer: str, names: list[str]) -> str:
     """The note (and a warning, once per message) for torch.compile'd functions the step calls: eager
-    runs Inductor's kernels for them, the trace their plain Python, and the two round differently
-    (measured on Scion's bf16 Newton–Schulz: 5e-5 apart after one step with every pass off)."""
+    runs Inductor's kernels for them, the trace their plain Python, and the two round differently.
+    (With Newton–Schulz fusion off such helpers run as opaque ops instead: compiled_helpers.py.)"""
     note = (
         f"{optimizer}.step calls {', '.join(names)}, wrapped in torch.compile: eager runs Inductor's "
-        "kernels there and hocompile traces the plain Python, so the compiled step rounds differently in "
-        "them (not bitwise with eager, even with every pass off). Call them without torch.compile for "
-        "eager-bitwise steps (hocompile fuses and plans Newton–Schulz itself)"
+        "kernels there and hocompile traces the plain Python (so that their Newton–Schulz is fused and "
+        "planned), so the compiled step rounds differently in them (not bitwise with eager). For "
+        "eager-bitwise steps disable fuse-newton-schulz (the helpers then run as compiled, opaque ops) "
+        "or call them without torch.compile"
     )
     warnings.warn(f"hocompile: {note}", CompiledHelperWarning, stacklevel=4)
     return note

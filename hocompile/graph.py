@@ -48,31 +48,36 @@ class InputSlot:
     group: int
     index: int  # position in param_groups[group]["params"]
     key: str = ""  # state key, for kind == "state"
+    # A tensor inside a container held there (containers.py): its index in flatten()'s
+    # order, and its path for people (``[0]``, ``['L']``, ``.P``); -1: the value itself.
+    leaf: int = -1
+    path: str = ""
 
     def label(self) -> str:
         if self.kind == "global":
             return f"shared{self.index}"
+        inner = f"_l{self.leaf}" if self.leaf >= 0 else ""
         if self.kind == "attr":
-            return f"a_{_ident(self.key)}"
+            return f"a_{_ident(self.key)}{inner}"
         if self.kind == "group":
-            return f"gt{self.group}_{_ident(self.key)}"
+            return f"gt{self.group}_{_ident(self.key)}{inner}"
         base = {"param": "p", "grad": "g", "state": "s"}[self.kind]
         suffix = f"_{_ident(self.key)}" if self.key else ""
-        return f"{base}{self.group}_{self.index}{suffix}"
+        return f"{base}{self.group}_{self.index}{suffix}{inner}"
 
     def describe(self) -> str:
         if self.kind == "global":
             return f"value {self.index} of the part of the step every param shares"
         if self.kind == "attr":
-            return f"optimizer attribute {self.key!r}"
+            return f"optimizer attribute {self.key!r}{self.path}"
         if self.kind == "group":
-            return f"param_groups[{self.group}][{self.key!r}]"
+            return f"param_groups[{self.group}][{self.key!r}]{self.path}"
         where = f"param_groups[{self.group}]['params'][{self.index}]"
         if self.kind == "param":
             return where
         if self.kind == "grad":
             return f"{where}.grad"
-        return f"state[{where}][{self.key!r}]"
+        return f"state[{where}][{self.key!r}]{self.path}"
 
 
 def _ident(text: str) -> str:

@@ -13,11 +13,10 @@ cannot evaluate and must not bake in:
 
 from __future__ import annotations
 
+import builtins
 import math
 import numbers
 import operator
-import os
-import traceback
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -26,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import fused_kernels
 from .host_state import MISSING
-from .scalars import (
+from .scalars import (  # noqa: F401  (user_line: re-exported, capture_errors imports it from here)
     MATH_BINARY,
     MATH_UNARY,
     CaptureError,
@@ -34,8 +33,10 @@ from .scalars import (
     HyperParam,
     ScalarTracker,
     const,
+    extremum,
     input_expr,
     sentinel,
+    user_line,
 )
 
 __all__ = ["CaptureError", "HostScalarMode", "is_hyperparameter"]
@@ -99,6 +100,9 @@ class HostScalarMode(TorchFunctionMode):
         # (emerging-optimizers switches it around its Newton-Schulz).
         self.matmul_precisions: set[str] = set()
         self.fused_kernels: set[str] = set()  # torch's fused optimizer kernels the step ran
+        # Evaluates a tensor the step reads on the host that is not a counter (host_reads.py):
+        # (its host input's name, its real value); None: such a read is refused.
+        self.reader: Callable[[torch.Tensor, str], tuple[str, Any]] | None = None
 
     def __enter__(self) -> HostScalarMode:
         # math.sqrt(x) of a float subclass reads its payload and returns a plain
@@ -107,11 +111,17 @@ class HostScalarMode(TorchFunctionMode):
         self._saved_math = {name: getattr(math, name) for name in MATH_UNARY + MATH_BINARY}
         for name, fn in self._saved_math.items():
             setattr(math, name, _following(fn, f"math.{name}"))
+        # max(eps, x) / min(x, 1.0) of a hyperparameter or a value read on the host: an
+        # expression the host evaluates, instead of a guard per outcome (the trace lock
+        # keeps this to one trace at a time; other arguments pass straight through).
+        self._saved_builtins = (builtins.max, builtins.min)
+        builtins.max, builtins.min = _extremum_of("max"), _extremum_of("min")
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         for name, fn in self._saved_math.items():
             setattr(math, name, fn)
+        builtins.max, builtins.min = self._saved_builtins
         super().__exit__(*exc)
 
     def track(self, tensor: torch.Tensor, name: str, real: float, index: int) -> None:
@@ -123,6 +133,10 @@ class HostScalarMode(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.square_ and not kwargs:
+            # functionalize cannot trace aten::square_ (it reports an alias annotation); ATen
+            # computes it as pow_(2) (bitwise the same, tests/test_host_reads.py checks)
+            return args[0].pow_(2)
         if func is torch.Tensor.item:
             return self._item(args[0])
         if func in _HOST_READS and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
@@ -189,6 +203,11 @@ class HostScalarMode(TorchFunctionMode):
 
     def _item(self, tensor: torch.Tensor) -> HyperParam:
         entry = self.mirrors.get(id(tensor))
+        if entry is None and self.reader is not None:
+            # a data-dependent read: a host input of its own, the step split there (host_reads.py)
+            name, real = self.reader(tensor, user_line())
+            self.track(tensor, name, real, 2000 + len(self.mirrors))
+            entry = self.mirrors[id(tensor)]
         if entry is None:
             raise CaptureError(
                 "the step reads a tensor's value on the host (`.item()` / float(tensor)) "
@@ -304,15 +323,25 @@ _ZERO_D_FACTORIES = frozenset({"zeros", "ones", "zeros_like", "ones_like", "full
 _FUNCTIONAL_FOLLOW = frozenset({"add", "sub", "__add__", "__sub__", "_foreach_add", "_foreach_sub", "clone", "detach"})
 
 
-def user_line(frames: list[traceback.FrameSummary] | None = None) -> str:
-    """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile: where in the
-    user's step a refusal comes from (``frames``: an exception's traceback; default: the current stack)."""
-    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    for frame in reversed(traceback.extract_stack() if frames is None else frames):
-        if not frame.filename.startswith(internal) and "<" not in frame.filename[:1]:
-            code = f" (`{frame.line.strip()}`)" if frame.line else ""
-            return f" at {frame.filename}:{frame.lineno}{code}"
-    return ""
+def _extremum_of(op: str) -> Callable[..., Any]:
+    original = builtins.max if op == "max" else builtins.min
+
+    def follow(*args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) < 2 or not any(isinstance(a, HyperParam) for a in args):
+            return original(*args, **kwargs)
+        if not all(_is_plain_number(a) for a in args):
+            return original(*args)
+        out = args[0]
+        for other in args[1:]:  # Python's order: the first of equal values wins
+            out = extremum(op, out, other)
+        return out
+
+    follow.__wrapped__ = original  # type: ignore[attr-defined]
+    return follow
+
+
+def _is_plain_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _following(fn: Callable[..., Any], op: str) -> Callable[..., Any]:

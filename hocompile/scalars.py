@@ -21,13 +21,18 @@ branch recompiles instead of silently running the wrong program.
 
 from __future__ import annotations
 
+import builtins
 import math
 import numbers
 import operator
+import os
 import struct
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+import torch
 
 Number = Union[int, float]
 
@@ -64,6 +69,9 @@ MATH_UNARY = ("sqrt", "exp", "log", "log2", "log10", "log1p", "expm1", "sin", "c
 MATH_BINARY = ("pow",)
 _UNARY.update({f"math.{name}": getattr(math, name) for name in MATH_UNARY})
 _BINARY.update({f"math.{name}": getattr(math, name) for name in MATH_BINARY})
+# Python's max/min of two numbers (HostScalarMode follows them while tracing): evaluated by
+# the builtins themselves, captured here before any trace patches them.
+_BINARY.update({"max": builtins.max, "min": builtins.min})
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
     "!=": operator.ne,
@@ -122,7 +130,7 @@ class Expr:
             return f"(+{self.args[0].render(names)})"
         if self.op == "abs":
             return f"abs({self.args[0].render(names)})"
-        if self.op == "f32" or self.op.startswith("math."):
+        if self.op in ("f32", "max", "min") or self.op.startswith("math."):
             return f"{self.op}({', '.join(a.render(names) for a in self.args)})"
         left, right = (a.render(names) for a in self.args)
         return f"({left} {self.op} {right})"
@@ -180,6 +188,8 @@ class ScalarTracker:
     real: dict[str, Any]  # input name -> real value (int, float or a numpy scalar, as the user set it)
     by_payload: dict[float, list[Expr]] = field(default_factory=dict)
     guards: list[Guard] = field(default_factory=list)
+    salt: int = 0  # which of the capture's two traces (payloads made here must differ between them)
+    made: int = 0  # payloads made by extremum() so far
 
     def make(self, payload: float, expr: Expr) -> HyperParam:
         hp = HyperParam(payload, expr, self)
@@ -333,9 +343,16 @@ class HyperParam(float):
     # -- conversions to an int would return a plain number computed from the
     # sentinel payload: a value baked in at capture time. Refuse instead.
     def _baked(self, what: str) -> CaptureError:
+        where = user_line()
+        if any(name.startswith("read") for name in self.expr.inputs()):
+            return CaptureError(
+                f"the step calls {what} on {self.expr.pretty()}, a tensor's value read on the host{where}: "
+                "used as an int (a loop count, an index) its outcomes are not bounded, so hocompile cannot "
+                "compile one program per outcome; fallback='eager' runs such a step eagerly"
+            )
         return CaptureError(
-            f"the step calls {what} on the host scalar {self.expr.pretty()}; its result would be baked into "
-            "the compiled step as a constant. Keep it a float (or mark the key structural)"
+            f"the step calls {what} on the host scalar {self.expr.pretty()}{where}; its result would be baked "
+            "into the compiled step as a constant. Keep it a float (or mark the key structural)"
         )
 
     def __int__(self) -> int:
@@ -355,6 +372,24 @@ class HyperParam(float):
 
     def __repr__(self) -> str:
         return f"HyperParam({self.expr.pretty()})"
+
+
+def extremum(op: str, a: Any, b: Any) -> Any:
+    """``max(a, b)`` / ``min(a, b)`` with a HyperParam among them: an expression, not a branch
+    (a value read on the host, ``max(eps, norm)``, then needs no guard per outcome)."""
+    hp = a if isinstance(a, HyperParam) else b
+    ea, eb = _as_expr(a), _as_expr(b)
+    if not isinstance(hp, HyperParam) or ea is None or eb is None:
+        return _BINARY[op](a, b)
+    # Its own payload, nudged per trace: equal to an operand's, lift_scalars could not tell
+    # max(a, b) from a; equal in both traces (max(1, x) picking the constant 1), it would not be
+    # lifted at all, and the compiled step would keep 1 when x grows past it.
+    tracker = hp.tracker
+    tracker.made += 1
+    nudge = (1 + tracker.made % 1024 + 1024 * tracker.salt) * 2.0**-36
+    chosen = float(_BINARY[op](float(a), float(b)))
+    payload = chosen * (1.0 + nudge) if chosen else nudge * 2.0**-40
+    return tracker.make(payload, Expr(op, (ea, eb)))
 
 
 def sentinel(real: float, index: int, salt: int) -> float:
@@ -398,3 +433,14 @@ def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
     namespace: dict[str, Any] = {"f32": round_f32, "math": math}
     exec(compile(source, "<hocompile scalar program>", "exec"), namespace)
     return ScalarProgram(tuple(names), tuple(exprs), source, namespace["scalar_program"])
+
+
+def user_line(frames: list[traceback.FrameSummary] | None = None) -> str:
+    """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile: where in the
+    user's step a refusal comes from (``frames``: an exception's traceback; default: the current stack)."""
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(traceback.extract_stack() if frames is None else frames):
+        if not frame.filename.startswith(internal) and "<" not in frame.filename[:1]:
+            code = f" (`{frame.line.strip()}`)" if frame.line else ""
+            return f" at {frame.filename}:{frame.lineno}{code}"
+    return ""

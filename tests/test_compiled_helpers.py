@@ -2,7 +2,8 @@
 Spectral LMO): bitwise with eager with every pass off; and a torch.compile'd helper is said aloud.
 
 Eager runs a torch.compile'd helper as Inductor's kernels, which round differently from its plain
-Python (the trace): measured 5e-5 apart after one step on this Scion with every pass off. Such a
+Python. With Newton–Schulz fusion off the helper runs as the user compiled it (an opaque op), so the
+step stays bitwise; with it on, the helper is traced through (its NS fused and planned) and the
 step compiles with a CompiledHelperWarning and an explain() note naming the function.
 """
 
@@ -96,9 +97,41 @@ def test_a_torch_compiled_helper_is_named_in_a_warning_and_in_explain(cache_dir:
     # backend="eager" (Dynamo running the same aten ops) goes unnamed (tests/test_host_state.py).
     ns = torch.compile(zeropower_via_newtonschulz5, backend="aot_eager")
     params = _params()
-    compiled = hocompile.compile_optimizer(Scion(params, ns=ns), **EVERY_PASS_OFF, cache_dir=cache_dir)
+    # the default pipeline: NS fusion on, so the helper is traced through (opaque only where no pass
+    # would replan it: the test above)
+    compiled = hocompile.compile_optimizer(Scion(params, ns=ns), cache_dir=cache_dir)
     _grads(params, 0)
     with pytest.warns(hocompile.CompiledHelperWarning, match=r"zeropower_via_newtonschulz5 \(test_compiled_helpers"):
         compiled.step()
     assert "wrapped in torch.compile" in hocompile.explain(compiled)
     assert compiled.counters.eager_fallbacks == 0
+
+
+def test_an_inductor_compiled_helper_is_bitwise_with_every_pass_off(cache_dir: Path) -> None:
+    """Scion as its authors ship it: the NS helper under torch.compile (Inductor). With every pass off
+    the helper runs as the user compiled it (an opaque hocompile_torch::compiled_call: eager's
+    kernels), so the step is bitwise eager's; before, the trace ran its plain Python (~1e-3 apart
+    after one step on these shapes) and said so in a CompiledHelperWarning."""
+    ns = torch.compile(zeropower_via_newtonschulz5)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (4, 2, 6)]
+    eager_params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    eager = Scion(eager_params, ns=ns)
+    compiled = hocompile.compile_optimizer(Scion(compiled_params, ns=ns), **EVERY_PASS_OFF, cache_dir=cache_dir)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hocompile.CompiledHelperWarning)  # opaque: nothing to warn about
+        for k in range(4):
+            if k == 2:
+                for opt in (eager, compiled):
+                    opt.param_groups[0]["lr"] = 0.01
+            for params in (eager_params, compiled_params):
+                _grads(params, k)
+            eager.step()
+            compiled.step()
+            for a, b in zip(eager_params, compiled_params):
+                assert torch.equal(a, b), f"step {k}: {(a - b).abs().max()}"
+    assert "hocompile_torch::compiled_call" in hocompile.explain(compiled)
+    assert compiled.counters.eager_fallbacks == 0 and not compiled.counters.recompiles

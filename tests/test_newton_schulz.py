@@ -108,15 +108,15 @@ def test_emerging_batched_baddbmm_path_and_cubic_recognised() -> None:
 
 
 def test_heavyball_muon_is_refused_clearly() -> None:
-    """heavyball 3.2.1 keeps its state in nested dicts outside `state` (opt.mapping): not capturable.
-    (Its torch.compile'd kernels are traced through now; the state is what refuses it.)"""
+    """heavyball 3.2.1 keeps its state in a dict keyed by params outside `state` (opt.mapping): not
+    capturable. (Its torch.compile'd kernels are traced through now; the state is what refuses it.)"""
     import heavyball
 
     params = make_params([(8, 4)])
     opt = hocompile.compile_optimizer(heavyball.Muon(params, lr=0.02))
     params[0].grad = torch.randn(8, 4)
     before = params[0].clone()
-    with pytest.raises(hocompile.CaptureError, match="the step changes opt.mapping"):
+    with pytest.raises(hocompile.CaptureError, match="keys optimizer attribute 'mapping' by tensors"):
         opt.step()
     assert torch.equal(params[0], before)
 

@@ -311,7 +311,18 @@ class _CachesATensor(torch.optim.Optimizer):
             p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
 
 
-@pytest.mark.parametrize("factory, where", [(_OwnsAnSGD, "opt.inner.state"), (_CachesATensor, "opt.cache")])
+def test_a_tensor_cache_the_step_fills_compiles(cache_dir) -> None:
+    """Before: refused (the step changes opt.cache). A container on the optimizer is substituted now
+    (hocompile/capture_containers.py): the step that fills it compiles, bitwise eager."""
+    pair = Pair(_CachesATensor, SHAPES, cache_dir)
+    for _ in range(3):
+        pair.step()
+    assert pair.max_rel_diff() == 0.0
+    assert pair.compiled.counters.eager_fallbacks == 0
+    assert len(pair.compiled.optimizer.cache) == 1 and len(pair.eager.cache) == 1
+
+
+@pytest.mark.parametrize("factory, where", [(_OwnsAnSGD, "opt.inner.state")])
 def test_state_kept_outside_what_capture_substitutes_is_refused(factory, where: str, cache_dir) -> None:
     """Before: the wrapper compiled, its momentum restarted every step and fake tensors leaked into it."""
     pair = Pair(factory, SHAPES, cache_dir)

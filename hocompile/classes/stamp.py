@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import CapturedStep, TraceView, capture, host_env
+from ..capture_containers import containers_held
 from ..distributed.sharded import is_dtensor
 from ..graph import is_fallible
 from ..host_state import HostSlot
@@ -104,6 +105,8 @@ def _unstampable(gm: fx.GraphModule) -> str:
             return f"it draws random numbers (`{node.format_node()}`): their order is the whole step's"
         if "c10d" in str(target) or "wait_tensor" in str(target):
             return "it issues collectives, whose order across ranks is the whole step's"
+        if str(target).startswith("hocompile_torch.compiled_call"):
+            return "it calls a torch.compile'd helper as an opaque op"
         if is_fallible(node):
             return f"`{node.format_node()}` can fail on the data, and the write fence spans the whole step"
     return ""
@@ -221,6 +224,9 @@ def stamp_capture(
     traced = len(classes) + sum(min(2, len(c.members)) for c in classes)
     if traced >= total:
         return f"{len(classes)} classes for {total} params: tracing one and two per class would cost as much"
+    boxed = containers_held(opt)
+    if boxed:
+        return f"the step keeps tensors in containers ({boxed}): traced whole"
     aliased = shared_storage(opt, classes)
     if aliased:
         return f"{aliased}: their updates are not independent"
@@ -232,6 +238,8 @@ def stamp_capture(
         classes = split
     else:
         return "the params' own counters take too many different branches"
+    if one.reads:  # each member's value is its own read: one program per member, not per class
+        return "it reads tensor values on the host, each param its own (the step is split at every read)"
     reason = _unstampable(one.gm)
     if reason:
         return f"the step is traced whole: {reason}"

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..capture import CapturedStep, capture, host_env
+from ..capture import CapturedStep, capture, host_env, unwrapped_step
 from ..classes.stamp import Stamp, stamp_capture
+from ..compiled_helpers import compiled_wrappers
 from ..diskcache import DiskCache
 from ..distributed.check import check_collectives_agree, check_replicated, rank0_target
 from ..distributed.replicated import resolve_group
@@ -183,7 +184,7 @@ def compile_step(
             step = stamped
         else:
             with torch.no_grad():
-                captured = capture(opt, settings.structural_keys)
+                captured = capture(opt, settings.structural_keys, opaque_helpers=opaque_helpers(settings))
             if captured.sharded:  # DTensors: each NS routed to an owner or run tensor-parallel (route_sharded.py)
                 pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode, shared)
             step = _run_passes(captured, pipeline, settings, dump_dir)
@@ -288,6 +289,8 @@ def _stamped(
         return f"the {backend} backend compiles a step traced whole (class programs run on the aten lowering)"
     elif any(p.name == DistOwnership.name for p in pipeline):
         return "distributed='replicated' plans owners across all matrices: traced whole"
+    if opaque_helpers(settings) and compiled_wrappers(opt, unwrapped_step(opt)):
+        return "the step calls torch.compile'd helpers, run as opaque ops with NS fusion off: traced whole"
     with torch.no_grad():
         found = stamp_capture(opt, settings.structural_keys, lifted)
     if isinstance(found, str):
@@ -394,3 +397,9 @@ def _header(opt: torch.optim.Optimizer, key: str, records: list[PassRecord]) -> 
             "# forward(self, <tensor inputs>, <host scalars>) -> outputs written back by the runtime",
         ]
     )
+
+
+def opaque_helpers(settings: Settings) -> bool:
+    """torch.compile'd helpers run as opaque ops (compiled_helpers.py) where no pass would replan
+    what they compute: with Newton–Schulz fusion off, the plan keeps eager's arithmetic."""
+    return "fuse-newton-schulz" in settings.disabled_passes

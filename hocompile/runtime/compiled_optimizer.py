@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..capture import CapturedStep, unwrapped_step
+from ..capture import CapturedStep, slot_tensor, unwrapped_step
+from ..capture_containers import aliases_hold
 from ..fused_kernels import runs_as_is
 from ..host_scalars import CaptureError
 from ..host_state import HostSlot
@@ -269,6 +270,12 @@ class CompiledOptimizer(torch.optim.Optimizer):
             if candidate.captured is None:  # an eager fallback for this signature
                 entry = candidate
                 break
+            if candidate.captured.holds_containers and not aliases_hold(
+                self._inner, candidate.captured.inputs, candidate.captured.leaf_aliases,
+                lambda s: slot_tensor(self._inner, s),
+            ):
+                failed_guard = "the tensors kept in containers are other inputs' tensors than when compiled"
+                continue
             env = self._host_env(candidate.captured)
             if candidate.stamped is not None:  # per member too (runtime/stamped.py)
                 broken = broken_guard(self._inner, candidate.stamped, env)
@@ -279,6 +286,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 break
             failed_guard = f"guard failed: {broken.describe()} no longer holds"
             counters = {slot.name() for slot in candidate.captured.lifted}
+            counters |= {read.name for read in candidate.captured.reads}  # a value read on the host
             on_counter = bool(broken.lhs.inputs() & counters or broken.rhs.inputs() & counters)
         if entry is None and not candidates and self._eager_by_coarse:
             # This configuration differs from one that could not be captured only in

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from ..capture import CapturedStep, host_env, slot_tensor
+from ..capture_containers import write_containers
 from ..distributed.sharded import like_param, local_tensor
+from ..graph import InputSlot
 from ..host_state import MISSING
 from ..lowering import LoweredStep
 from ..passes import PassRecord
@@ -134,15 +136,22 @@ def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, A
     outputs = lowered.run(tensors + list(captured.scalars(env)))
     # The generated code wrote most results in place already (writeback.py);
     # the rest (newly created state, views) is installed here.
+    in_containers: dict[InputSlot, torch.Tensor] = {}
     for action, value in zip((captured.outputs[i] for i in lowered.kept), outputs):
         slot = action.slot
         if action.mode == "copy":
             local_tensor(slot_tensor(opt, slot)).copy_(value)
+        elif slot.leaf >= 0:
+            in_containers[slot] = value
         else:
             p = opt.param_groups[slot.group]["params"][slot.index]
             # New state of a DTensor param is a DTensor as eager makes it (state_dict, DCP)
             opt.state[p][slot.key] = like_param(value, p) if captured.sharded else value
-    created = any(a.mode == "assign" for a in captured.outputs)
+    if in_containers or captured.trees:
+        write_containers(opt, captured.trees, in_containers, dict(zip(captured.inputs, tensors)))
+    # (a leaf of a container is new state only where the container is: a list the step grows is not)
+    created = any(a.mode == "assign" and a.slot.leaf < 0 for a in captured.outputs)
+    created = created or any(t.new for t in captured.trees)
     for g, i in captured.clears_grads:
         opt.param_groups[g]["params"][i].grad = None
     for host_slot, value in host_values:

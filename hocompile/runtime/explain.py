@@ -81,6 +81,12 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
         lines.append(
             f"  after passes: {final['ops']} ops ({final['matmuls']} matmuls, {final['newton-schulz']} newton_schulz)"
         )
+    if cap.reads:
+        lines.append(
+            f"  split at {len(cap.reads)} host read{'s' if len(cap.reads) != 1 else ''} (each computed first, "
+            "then read on the host: one sync, as eager reads it):"
+        )
+        lines += [f"    {read.describe()}" for read in cap.reads]
     scalars = [n for n in cap.gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get(ROLE), Expr)]
     if scalars:
         lines.append("  host scalars (evaluated before each step, in eager's order):")

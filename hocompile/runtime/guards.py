@@ -9,11 +9,14 @@ Branches taken on hyperparameter values are separate guards (see scalars.py).
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..capture_containers import container_attributes
+from ..containers import flatten, holds_tensors
 from ..host_scalars import is_hyperparameter
 from ..host_state import HostSlot
 
@@ -53,6 +56,11 @@ def _tensor_sig(t: torch.Tensor) -> TensorSig:
 def _freeze(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor",) + _tensor_sig(value)
+    if holds_tensors(value) or isinstance(value, collections.deque):
+        # its structure and each leaf's signature (containers.py): a rebuilt deque
+        # or object is the same program, a grown one is not
+        leaves, spec, _ = flatten(value)
+        return ("container", spec.signature(), tuple(_tensor_sig(t) for t in leaves))
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     if isinstance(value, dict):
@@ -106,12 +114,14 @@ def state_value(key: str, g: int, i: int, value: Any, lifted: frozenset[HostSlot
 
 
 def attributes(opt: torch.optim.Optimizer, lifted: frozenset[HostSlot], coarse: bool = False) -> tuple[Any, ...]:
-    """The optimizer's public attributes as the signature holds them."""
+    """The optimizer's public attributes as the signature holds them, and the containers of
+    tensors it keeps in private ones (a cache of buffers: its structure is the program's)."""
+    container_keys = container_attributes(opt)
     return tuple(
         sorted(
             (k, _masked(HostSlot("attr", k), v, lifted, coarse))
             for k, v in vars(opt).items()
-            if not k.startswith("_") and k not in _NOT_OPTIONS
+            if (not k.startswith("_") and k not in _NOT_OPTIONS) or k in container_keys
         )
     )
 
@@ -164,11 +174,16 @@ def describe_change(old: Signature, new: Signature) -> str:
                 ka, kb = {k for k, _ in pa.state}, {k for k, _ in pb.state}
                 if ka != kb:
                     return f"state of {where} keys changed {sorted(ka)} -> {sorted(kb)}"
+                for (key, va), (_, vb) in zip(pa.state, pb.state):
+                    if va != vb and isinstance(va, tuple) and va[:1] == ("container",):
+                        return f"state of {where}: {key!r} changed {_show_container(va)} -> {_show_container(vb)}"
                 return f"state of {where} changed shape, dtype or value"
     return "guards differ"
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, tuple) and value[:1] == ("container",):
+        return _show_container(value)
     if isinstance(value, tuple) and value[:1] == ("tensor",) and len(value) == 5:
         return f"a tensor {_show_t(value[1:])}"
     if isinstance(value, tuple) and value[:1] == ("hyper",):
@@ -176,6 +191,11 @@ def _show(value: Any) -> str:
     if isinstance(value, tuple) and value == _HOST:
         return "a number the step updates"
     return repr(value)
+
+
+def _show_container(frozen: Any) -> str:
+    kind, count = frozen[1][0], len(frozen[2])
+    return f"a {kind} holding {count} tensor{'s' if count != 1 else ''}"
 
 
 def _show_t(sig: TensorSig | None) -> str:

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..capture import CapturedStep, capture, unwrapped_step
+from ..containers import describe_spec, flatten, holds_tensors
 from ..graph import InputSlot
 from ..host_state import HostSlot
 from ..settings import Fallback
@@ -343,7 +344,7 @@ def _compare(
             if set(real) != set(eager):
                 diffs.append(f"state keys {sorted(map(str, real))} vs eager's {sorted(map(str, eager))}")
             for key in [k for k in real if k in eager]:
-                diffs.append(check(f"state[{key!r}]", InputSlot("state", g, i, key), real[key], eager[key]))
+                diffs += _check_entry(check, InputSlot("state", g, i, key), real[key], eager[key])
             if any(diffs):
                 shape = "×".join(str(s) for s in p.shape) or "scalar"
                 problems.append((f"param_groups[{g}]['params'][{i}] (shape {shape})", [d for d in diffs if d]))
@@ -353,6 +354,20 @@ def _compare(
     if check.budgeted and (not record.worst_bound or check.worst_share > record.worst / record.worst_bound):
         record.worst, record.worst_bound = check.worst, check.worst_bound
     return problems
+
+
+def _check_entry(check: _Checker, slot: InputSlot, got: Any, want: Any) -> list[str]:
+    """One state entry; a container of tensors leaf by leaf (containers.py)."""
+    what = f"state[{slot.key!r}]"
+    if isinstance(got, torch.Tensor) or not (holds_tensors(got) or holds_tensors(want)):
+        return [check(what, slot, got, want)]
+    (got_leaves, got_spec, paths), (want_leaves, want_spec, _) = flatten(got), flatten(want)
+    if got_spec.signature() != want_spec.signature():
+        return [f"{what} is a {describe_spec(got_spec)}, eager's a {describe_spec(want_spec)} (or their values differ)"]
+    return [
+        check(what + path, InputSlot(slot.kind, slot.group, slot.index, slot.key, j, path), a, b)
+        for j, (a, b, path) in enumerate(zip(got_leaves, want_leaves, paths))
+    ]
 
 
 class _Checker:

@@ -37,6 +37,7 @@ import torch
 
 from .. import graph_codec
 from ..capture import CapturedStep
+from ..compiled_helpers import holds_compiled_calls
 from ..diskcache import CacheWarning, atomic_write_bytes, warn_once, warn_unwritable
 from ..graph_codec import CodecError
 from ..host_state import HostSlot
@@ -154,6 +155,9 @@ def encode_step(step: Any, key: str) -> bytes | None:
     """``step`` (a compile_step.CompiledStep, before lowering: it rewrites the graphs) as a record;
     None where it cannot be kept (said at INFO)."""
     captured: CapturedStep = step.captured
+    if holds_compiled_calls(step.gm):
+        log.info("hocompile: not kept for a warm start: it calls torch.compile'd helpers (by process-local keys)")
+        return None
     files = {path: digest for path in captured.code_files if (digest := _file_digest(path)) is not None}
     try:
         cap = {f.name: getattr(captured, f.name) for f in dataclasses.fields(captured)}
@@ -165,7 +169,7 @@ def encode_step(step: Any, key: str) -> bytes | None:
             shared, per_class = step.programs
             programs = (_encode_program(shared), [_encode_program(p) for p in per_class])
         return pickle.dumps(WarmRecord(key, files, cap, fields, programs))
-    except (CodecError, pickle.PicklingError, TypeError, AttributeError) as exc:
+    except (CodecError, pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
         log.info("hocompile: not kept for a warm start: %s", exc)
         return None
 

@@ -57,6 +57,8 @@ class Case:
     distributed: bool = False  # needs a (one-rank) process group
     before_step: Callable[[Any, int], None] | None = None  # what the training loop does between steps
     scratch: frozenset[str] = frozenset()  # group keys holding scratch buffers, not compared
+    # Recompiles the case's own code explains (each pipeline may have one of each), by reason text
+    expected_recompiles: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -119,7 +121,6 @@ _HOST_READ = r"(\.item\(\)|on the host|data-dependent|bool\(\)|value of a tensor
 # Known limitation, documented: tensors the step reads from containers hocompile does
 # not substitute (views of a buffer kept in a list in a group; tensors cached lazily in a
 # dict attribute). Faking them one by one would break their aliasing, so capture refuses.
-_UNSUBSTITUTED = r"does not substitute"
 
 CASES: list[Case] = [
     Case("keller_jordan.SingleDeviceMuon", "KellerJordan/Muon muon.py", "plain KJ Muon: muon_update helper, "
@@ -161,7 +162,8 @@ CASES: list[Case] = [
     Case("modded_nanogpt.Muon", "KellerJordan/modded-nanogpt train_gpt.py (early 2025)", "update_buffer "
          "tensors in param groups; async all_gather_into_tensor; closure applies the previous round; "
          "groups by numel", lambda ps: modded_nanogpt.Muon(ps, lr=0.02), modded_nanogpt,
-         refusal=_UNSUBSTITUTED, distributed=True, scratch=frozenset({"update_buffer", "update_buffer_views"})),
+         refusal=r"update_buffer_views'\]\[0\] shares memory with", distributed=True,
+         scratch=frozenset({"update_buffer", "update_buffer_views"})),
     Case("modded_nanogpt.NorMuonAndAdam", "KellerJordan/modded-nanogpt train_gpt.py (current)", "not an "
          "Optimizer: per-param configs by label; Polar Express with out= buffers, (1+2e-2) safety, tall "
          "addmm(X, X, B); grads cleared in step", _modded_normuon, modded_nanogpt,
@@ -173,7 +175,10 @@ CASES: list[Case] = [
     Case("dion.Muon", "microsoft/dion dion/muon.py", "Tensor lr kept in the group; torch.tensor(group['mu']) "
          "per step; @torch.compile foreach helpers; stacked NS with 5 distinct coefficient triples",
          lambda ps: dion.Muon([dict(params=ps[:3]), dict(params=ps[3:], algorithm="adamw", lr=3e-3)], lr=0.02,
-                              weight_decay=0.01), dion, shapes=MATRICES + (BIAS,), refusal=_UNSUBSTITUTED),
+                              weight_decay=0.01), dion, shapes=MATRICES + (BIAS,),
+         # load_state_dict gives each group a new lr tensor, no longer the one dion caches in
+         # _hyperparam_tensors: its step takes the copy_ branch from then on (a new program, once)
+         expected_recompiles=("other inputs' tensors than when compiled",)),
     Case("polar_express.PolarExpressMuon", "NoahAmsel/PolarExpress (arXiv:2505.16932)", "coefficients "
          "divided by safety powers, norm * 1.01 + 1e-7, repeat-last schedule, @torch.compile, cast back",
          lambda ps: polar_express.PolarExpressMuon(ps, lr=0.02, weight_decay=0.01), polar_express),
@@ -185,7 +190,7 @@ CASES: list[Case] = [
          shapes=MATRICES + (BIAS,), ns_ops=0),
     Case("muon_clip.MuonClip", "Kimi K2 QK-Clip (Megatron-LM qk_clip.py)", "per-head max logit .item() in "
          "a Python if after the Muon update; tensor attribute written by the forward pass", _muon_clip, muon_clip,
-         refusal=_HOST_READ + r"[\s\S]*muon_clip\.py", before_step=_attention_logits),
+         before_step=_attention_logits),
     Case("combined.CombinedOptimizer", "nanochat-style training code; modded-nanogpt [adam, muon]", "not an "
          "Optimizer: owns a Muon and an AdamW, steps both",
          lambda ps: combined.CombinedOptimizer(_kj_single(ps[:3]), torch.optim.AdamW(ps[3:], lr=3e-3)),

@@ -280,7 +280,10 @@ def _run(case: Case, cache_dir: Any, steps: int) -> Outcome:
                 exact.opt.step()
         before = bitwise.snapshot()
         try:
-            bitwise.opt.step()
+            # as eager above: the corpus's torch.compile'd helpers as their plain Python (with them
+            # compiled, every pass off runs them as opaque ops: tests/test_compiled_helpers.py)
+            with plain_python():
+                bitwise.opt.step()
         except hocompile.CaptureError as exc:
             if k > 0:
                 return Outcome("crash", f"refused at step {k + 1}, after compiling the first: {exc}")
@@ -370,8 +373,14 @@ def violation(case: Case, outcome: Outcome) -> str | None:
     problems = []
     if outcome.ns_ops != case.ns_ops:
         problems.append(f"{outcome.ns_ops} newton_schulz ops after passes, expected {case.ns_ops}")
-    if outcome.recompiles:
-        problems.append(f"recompiles under an lr schedule: {outcome.recompiles}")
+    unexplained = list(outcome.recompiles)
+    for reason in case.expected_recompiles:  # at most one of each per pipeline (two pipelines)
+        for _ in range(2):
+            match = next((r for r in unexplained if reason in r), None)
+            if match is not None:
+                unexplained.remove(match)
+    if unexplained:
+        problems.append(f"recompiles under an lr schedule: {unexplained}")
     worst = [r for r in outcome.ratios if not r <= RATIO_BOUND]
     if worst:
         problems.append(f"trajectory error {max(worst):.2f}x eager's against the exact-NS run (bound {RATIO_BOUND})")
