@@ -26,7 +26,7 @@ import torch
 
 from .containers import Spec, flatten, holds_tensors, is_mutable_container, rebuild, replace_leaves, unflatten
 from .graph import InputSlot
-from .host_state import MISSING
+from .host_state import MISSING, is_constant
 from .scalars import CaptureError, HyperParam
 
 # Attributes every torch Optimizer has (hooks, profiling names): never the step's data.
@@ -167,9 +167,7 @@ def _values(spec: Spec) -> list[Any]:
 
 
 def _plain(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device))
+    return is_constant(value) or isinstance(value, (bytes, torch.dtype, torch.device))
 
 
 def _check_values(base: InputSlot, spec: Spec, before: set[int]) -> None:
@@ -197,7 +195,8 @@ def _base(slot: InputSlot) -> InputSlot:
     return InputSlot(slot.kind, slot.group, slot.index, slot.key)
 
 
-def _get(opt: torch.optim.Optimizer, base: InputSlot) -> Any:
+def container_value(opt: torch.optim.Optimizer, base: InputSlot) -> Any:
+    """The value a container slot names: an attribute's, a group entry's or a state entry's."""
     if base.kind == "attr":
         return vars(opt)[base.key]
     if base.kind == "group":
@@ -228,7 +227,7 @@ def write_containers(
         if _base(slot) not in rebuilt:
             in_place.setdefault(_base(slot), {})[slot.leaf] = value
     for base, new in in_place.items():
-        container = _get(opt, base)
+        container = container_value(opt, base)
         replaced = replace_leaves(container, new)
         if replaced is not container:  # a tuple: rebuilt, not changed in place
             _set(opt, base, replaced)

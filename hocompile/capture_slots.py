@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .capture_containers import container_attributes, leaf_slots
+from .capture_containers import container_attributes, container_value, leaf_slots
 from .containers import holds_tensors, leaf
 from .graph import InputSlot
 from .host_scalars import is_float
@@ -95,17 +95,6 @@ def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
     if slot.kind == "grad":
         return p.grad
     return opt.state[p][slot.key]
-
-
-def container_value(opt: torch.optim.Optimizer, slot: InputSlot) -> Any:
-    """The container that holds ``slot``'s tensor (an attribute's, or a state entry's)."""
-    if slot.kind == "attr":
-        return vars(opt)[slot.key]
-    if slot.kind == "group":
-        return opt.param_groups[slot.group][slot.key]
-    return opt.state[opt.param_groups[slot.group]["params"][slot.index]][slot.key]
-
-
 
 
 def host_env(opt: torch.optim.Optimizer, captured: Any) -> dict[str, Any]:

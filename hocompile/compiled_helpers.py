@@ -108,6 +108,7 @@ def _opaque(fn: Any, wrapper: Any) -> Any:
         return pytree.tree_unflatten(list(outs[: record.outputs]), record.out_spec)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]
+    call.hocompile_opaque = True  # type: ignore[attr-defined]
     return call
 
 
@@ -137,7 +138,7 @@ def opaque_compiled_helpers(opt: Any, step: Any) -> Iterator[int]:
                 continue
             cell = wrapper.__closure__[names.index("fn")]
             original = cell.cell_contents
-            if getattr(original, "__wrapped__", None) is not None and getattr(original, "__name__", "") == "call":
+            if getattr(original, "hocompile_opaque", False):
                 continue  # swapped already (a nested trace)
             cell.cell_contents = _opaque(original, wrapper)
             swapped.append((cell, original))

@@ -67,6 +67,7 @@ class TraceReads:
     real_inputs: list[torch.Tensor]
     nodes: list[fx.Node] = field(default_factory=list)
     wheres: list[str] = field(default_factory=list)
+    order: dict[fx.Node, int] | None = None
 
     def __call__(self, tensor: torch.Tensor, where: str) -> tuple[str, Any]:
         mode = get_proxy_mode()
@@ -79,9 +80,11 @@ class TraceReads:
             node = get_proxy_slot(tensor, mode.tracer).proxy.node
         except (KeyError, AttributeError, RuntimeError) as exc:
             raise CaptureError(f"the step reads the value of a tensor hocompile cannot follow{where}") from exc
-        gm = _prefix(getattr(mode.tracer, "root", torch.nn.Module()), node)
+        root = getattr(mode.tracer, "root", torch.nn.Module())
         with _disable_current_modes(), torch.no_grad():
-            real = gm(*self.real_inputs).item()
+            if self.order is None:  # the trace's placeholders: made before any op, fixed from then on
+                self.order = _placeholder_order(node.graph)
+            real = _evaluate(root, node, self.real_inputs, self.order).item()
         self.nodes.append(node)
         self.wheres.append(step_line() or where)
         return f"read{len(self.nodes) - 1}", real
@@ -103,37 +106,52 @@ def step_line() -> str:
     return ""
 
 
-def _prefix(root: torch.nn.Module, node: fx.Node) -> fx.GraphModule:
-    """The graph traced so far, computing ``node`` (placeholders: the trace's flat inputs)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in node.graph.nodes:
-        env[n] = graph.node_copy(n, lambda x: env[x])
-        if n is node:
+def _evaluate(root: torch.nn.Module, node: fx.Node, real_inputs: list[torch.Tensor], order: dict[fx.Node, int]) -> Any:
+    """``node``'s value on the real inputs: its ancestors in the graph traced so far, run one by one
+    (no module generated per read: a step with a read per param stays cheap to trace)."""
+    env: dict[fx.Node, Any] = {}
+    for n in _ancestors(node):
+        if n.op == "placeholder":
+            env[n] = real_inputs[order[n]]
+        elif n.op == "get_attr":
+            env[n] = getattr(root, str(n.target))
+        elif n.op == "call_function":
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+        else:
+            raise CaptureError(f"a host read depends on `{n.format_node()}`, which hocompile cannot evaluate")
+    return env[node]
+
+
+def _placeholder_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """The graph's placeholders by position (they come first: the walk stops at the first other node)."""
+    order: dict[fx.Node, int] = {}
+    for n in graph.nodes:
+        if n.op != "placeholder":
             break
-    graph.output(env[node])
-    graph.eliminate_dead_code()
-    return fx.GraphModule(root, graph)
+        order[n] = len(order)
+    return order
 
 
 def read_programs(
     gm: fx.GraphModule, slots: list[InputSlot], reads: TraceReads
 ) -> tuple[HostRead, ...]:
     """Per read, the part of ``gm`` (host scalars lifted already) that computes it."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    slot_of = dict(zip(placeholders, slots))
+    order = _placeholder_order(gm.graph)
+    slot_of = dict(zip(order, slots))
     programs = []
     for k, (node, where) in enumerate(zip(reads.nodes, reads.wheres)):
         needed = _ancestors(node)
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        tensors = [p for p in placeholders if p in needed and p in slot_of]
-        hosts = [p for p in placeholders if p in needed and p not in slot_of]
+        inputs = sorted((n for n in needed if n.op == "placeholder"), key=order.__getitem__)
+        tensors = [p for p in inputs if p in slot_of]
+        hosts = [p for p in inputs if p not in slot_of]
         for p in tensors + hosts:
             env[p] = graph.placeholder(p.name)
             env[p].meta = dict(p.meta)
-        for n in gm.graph.nodes:
-            if n in needed and n.op != "placeholder":
+        for n in needed:
+            if n.op != "placeholder":
                 env[n] = graph.node_copy(n, env.__getitem__)
         graph.output(env[node])
         val = node.meta.get("val")
@@ -145,13 +163,18 @@ def read_programs(
     return tuple(programs)
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and everything it depends on, each after its inputs (a postorder walk: no scan of
+    the whole graph per read)."""
+    done: dict[fx.Node, None] = {}
+    stack: list[tuple[fx.Node, bool]] = [(node, False)]
     while stack:
-        n = stack.pop()
-        if n in seen:
+        n, expanded = stack.pop()
+        if n in done:
             continue
-        seen.add(n)
-        stack += list(n.all_input_nodes)
-    return seen
+        if expanded:
+            done[n] = None
+            continue
+        stack.append((n, True))
+        stack += [(x, False) for x in n.all_input_nodes if x not in done]
+    return list(done)

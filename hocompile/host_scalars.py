@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import fused_kernels
-from .host_state import MISSING
+from .host_state import MISSING, is_number
 from .scalars import (  # noqa: F401  (user_line: re-exported, capture_errors imports it from here)
     MATH_BINARY,
     MATH_UNARY,
@@ -329,7 +329,7 @@ def _extremum_of(op: str) -> Callable[..., Any]:
     def follow(*args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) < 2 or not any(isinstance(a, HyperParam) for a in args):
             return original(*args, **kwargs)
-        if not all(_is_plain_number(a) for a in args):
+        if not all(is_number(a) for a in args):
             return original(*args)
         out = args[0]
         for other in args[1:]:  # Python's order: the first of equal values wins
@@ -338,10 +338,6 @@ def _extremum_of(op: str) -> Callable[..., Any]:
 
     follow.__wrapped__ = original  # type: ignore[attr-defined]
     return follow
-
-
-def _is_plain_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _following(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
