@@ -32,9 +32,19 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .capture_containers import ContainerTrace, TreeWrite, container_attributes, leaf_aliases
-from .capture_slots import TraceView, container_value, group_containers, host_env, input_slots, slot_tensor
+from .capture_slots import (
+    TraceView,
+    container_value,
+    group_containers,
+    host_env,
+    input_slots,
+    slot_tensor,
+    step_tensors,
+)
 
-__all__ = ["CapturedStep", "TraceView", "capture", "container_value", "host_env", "input_slots", "slot_tensor"]
+__all__ = [
+    "CapturedStep", "TraceView", "capture", "container_value", "host_env", "input_slots", "slot_tensor", "step_tensors",
+]
 from .capture_errors import check_state_substitutable, tracing_error
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import traced_collectives
@@ -43,7 +53,7 @@ from .containers import holds_tensors
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
 from .executed_files import ExecutedFiles, compiled_helpers_note
 from .graph import InputSlot, graph_stats
-from .host_reads import HostRead, TraceReads, read_programs
+from .host_reads import HostRead, TraceReads, split_at_reads
 from .host_scalars import (
     CaptureError,
     HostScalarMode,
@@ -371,10 +381,13 @@ def _capture(
     updates = host_updates(first.changes, second.changes)
     gm = first.gm
     exprs = lift_scalars(gm, second.gm, first.tracker, second.tracker)
-    reads = read_programs(gm, slots, first.reads) if first.reads is not None and first.reads.nodes else ()
+    tensor_slots = slots
+    reads: tuple[HostRead, ...] = ()
+    if first.reads is not None and first.reads.nodes:  # (never with DTensors: they trace no reads)
+        reads, slots = split_at_reads(gm, slots, first.reads)
     outputs = functional_outputs(gm, slots, first.assigns)
     finish_placeholders(gm, slots, exprs)
-    sharded = mark_sharded(gm, [slot_tensor(opt, s) for s in slots], slots, outputs)
+    sharded = mark_sharded(gm, [slot_tensor(opt, s) for s in tensor_slots], tensor_slots, outputs)
     gm.recompile()
     notes = []
     compiled = [n for n in files.compiled if not opaque or n.split(" (")[0] in TRACED_THROUGH]

@@ -97,6 +97,12 @@ def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
     return opt.state[p][slot.key]
 
 
+def step_tensors(opt: torch.optim.Optimizer, slots: Any, env: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors for a step's inputs: the optimizer's, and the values its host reads' programs
+    computed and hand on (kind "carry", in ``env`` once host_env has run them)."""
+    return [env[s.key] if s.kind == "carry" else slot_tensor(opt, s) for s in slots]
+
+
 def host_env(opt: torch.optim.Optimizer, captured: Any) -> dict[str, Any]:
     """The host inputs' live values, each of the type the user set (int, float, numpy scalar)."""
     env: dict[str, Any] = {}

@@ -44,6 +44,9 @@ class InputSlot:
     # "param" | "grad" | "state" | "attr" (a tensor attribute of the optimizer, by key)
     # | "group" (a tensor in param_groups[group][key], e.g. lr=torch.tensor(0.01))
     # | "global" (a stamped step's class program: value ``index`` of the step's shared part)
+    # | "graph" (input ``index`` of a graph torch.compile handed over: dynamo/graphs.py)
+    # | "carry" (a value the part of the step before host read ``group`` computed, ``key`` its
+    #   name: host_reads.py hands it to the rest instead of computing it twice)
     kind: str
     group: int
     index: int  # position in param_groups[group]["params"]
@@ -56,6 +59,10 @@ class InputSlot:
     def label(self) -> str:
         if self.kind == "global":
             return f"shared{self.index}"
+        if self.kind == "carry":
+            return f"c_{_ident(self.key)}"
+        if self.kind == "graph":
+            return f"in{self.index}"
         inner = f"_l{self.leaf}" if self.leaf >= 0 else ""
         if self.kind == "attr":
             return f"a_{_ident(self.key)}{inner}"
@@ -68,6 +75,10 @@ class InputSlot:
     def describe(self) -> str:
         if self.kind == "global":
             return f"value {self.index} of the part of the step every param shares"
+        if self.kind == "graph":
+            return f"input {self.index} of the graph torch.compile handed over"
+        if self.kind == "carry":
+            return f"value {self.index} computed before host read {self.group} ({self.key})"
         if self.kind == "attr":
             return f"optimizer attribute {self.key!r}{self.path}"
         if self.kind == "group":

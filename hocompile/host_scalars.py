@@ -143,6 +143,15 @@ class HostScalarMode(TorchFunctionMode):
             # bool(t), float(t), int(t), t.tolist(), min(t, x) on a one-element tensor:
             # a host read like .item(): a counter's value, or a clear refusal naming the line
             read = self._item(args[0])
+            if func is torch.Tensor.__float__:
+                # Python makes whatever __float__ returns a plain float: the value would be
+                # baked in, a branch on it taken once for all steps (silently wrong later)
+                raise CaptureError(
+                    f"the step calls float() on a {tuple(args[0].shape)} {args[0].dtype} tensor{user_line()}; "
+                    "Python turns the result into a plain float, which hocompile cannot follow through the "
+                    "arithmetic and comparisons after it. Write `t.item()` instead: the same value, and "
+                    "hocompile follows it (fallback='eager' runs such a step eagerly)"
+                )
             return _HOST_READS[func](read) if func is not torch.Tensor.tolist or args[0].dim() == 0 else [read]
         name = getattr(func, "__name__", "")
         if name in _MATMULS:

@@ -67,6 +67,40 @@ class ItemScale(torch.optim.Optimizer):
                 p.add_(state["m"], alpha=-group["lr"] / max(peak, 1e-8))
 
 
+class ViewScale(torch.optim.Optimizer):
+    """The read is of a view of the param, and the rest uses that view before writing the param:
+    the view is handed on (copied: the write would change it under the rest)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                flat = p.view(-1)
+                peak = flat.abs().max().item()
+                pull = flat.view_as(p) * (group["lr"] / max(peak, 1e-8))
+                p.add_(p.grad, alpha=-group["lr"]).sub_(pull)
+
+
+class ReadsTwice(torch.optim.Optimizer):
+    """One value read twice, and a second read that needs the first."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                peak = p.grad.abs().max()
+                a, b = peak.item(), peak.item()
+                update = p.grad / max(a + b, 1e-8)
+                spread = (update - update.mean()).abs().sum().item()
+                p.add_(update, alpha=-group["lr"] / (1.0 + spread))
+
+
 class CountsByItem(torch.optim.Optimizer):
     """``int(t.item())`` as a loop bound: unbounded outcomes, refused."""
 
@@ -108,7 +142,9 @@ def _run(make: Any, steps: int, cache_dir: Path, **kw: Any) -> hocompile.Compile
     return compiled
 
 
-@pytest.mark.parametrize("cls", [TrustRatio, ClippedScale, ItemScale], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [TrustRatio, ClippedScale, ItemScale, ViewScale, ReadsTwice], ids=lambda c: c.__name__
+)
 def test_host_reads_compile_bitwise(cls: type, cache_dir: Path) -> None:
     compiled = _run(cls, 9, cache_dir)
     text = hocompile.explain(compiled)
@@ -129,6 +165,53 @@ def test_adafactor_bitwise_without_variants(foreach: bool, cache_dir: Path) -> N
     compiled = _run(lambda ps: torch.optim.Adafactor(ps, foreach=foreach), 9, cache_dir)
     assert compiled.counters.variants == [] and compiled.counters.recompiles == [], compiled.counters
     assert "_adafactor.py" in hocompile.explain(compiled)
+
+
+def test_each_op_runs_once_across_the_split(cache_dir: Path) -> None:
+    """Adafactor reads the update's norm after computing the update: the read's program computes
+    it once and hands it to the rest of the step (before, the rest computed it again: 0.49x eager)."""
+    compiled = _run(torch.optim.Adafactor, 3, cache_dir)
+    captured = compiled.history[-1].captured
+    assert captured is not None
+
+    def count(gm: torch.fx.GraphModule, name: str) -> int:
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
+
+    programs = [read.gm for read in captured.reads] + [captured.gm]
+    matrices = sum(1 for p in _params() if p.dim() == 2)
+    assert sum(count(gm, "aten.mm") for gm in programs) == matrices, [gm.code for gm in programs]
+    assert sum(count(gm, "aten.rsqrt") for gm in programs) == len(_params())
+    assert count(captured.gm, "aten.rsqrt") == 0, captured.gm.code  # the update comes in as a carry
+    assert any(s.kind == "carry" for s in captured.inputs)
+
+
+class BranchOnFloat(torch.optim.Optimizer):
+    """``if float(t) > x``: Python makes float()'s result a plain float, so the branch would be
+    taken once at trace time for every later step (before: compiled, silently wrong)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                scale = 0.5 if float(p.grad.abs().max()) > 1.0 else 2.0
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+def test_float_of_a_tensor_is_refused_naming_the_line(cache_dir: Path) -> None:
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    compiled = hocompile.compile_optimizer(BranchOnFloat(params), cache_dir=cache_dir)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(CaptureError, match=r"float\(\) on a .*test_host_reads.py:\d+ .*`t.item\(\)`"):
+        compiled.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params)), "nothing written before the refusal"
+    fallback = hocompile.compile_optimizer(BranchOnFloat(params), cache_dir=cache_dir, fallback="eager")
+    fallback.step()
+    assert fallback.counters.eager_fallbacks == 1
 
 
 def test_read_used_as_an_int_is_refused(cache_dir: Path) -> None:

@@ -34,7 +34,7 @@ LAYERS = {
                 "capture_slots", "host_reads", "compiled_helpers"),
     "passes": ("passes",),
     "lowering": ("lowering",),
-    "runtime": ("runtime", "settings"),
+    "runtime": ("runtime", "settings", "dynamo"),
 }
 ORDER = [*LAYERS, "top"]
 

@@ -145,6 +145,17 @@ def _transformed(graph: fx.Graph, transform: SourceTransform | None) -> PythonCo
     return code
 
 
+def fast_program(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (a host read's program: host_reads.py) with its temporaries reused in place and its
+    aten calls as tensor methods: the same kernels, so the same values, with fewer allocations and
+    less Python per op. Only for contiguous inputs (the reuse checks the traced layouts)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    reuse_temporaries(graph)
+    call_tensor_methods(graph)
+    return fx.GraphModule(gm, graph)
+
+
 def call_kernels_directly(graph: fx.Graph) -> None:
     """Call registered ops' Python kernels (``torch.library.custom_op`` functions) directly.
 

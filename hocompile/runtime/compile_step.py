@@ -30,6 +30,7 @@ from ..distributed.sharded import is_dtensor
 from ..graph import decisions, graph_stats, print_graph
 from ..host_state import HostSlot
 from ..lowering import LoweredStep, cache_key, lower_to_aten
+from ..lowering.aten import fast_program
 from ..lowering.class_programs import Program, lower_programs, split_programs
 from ..lowering.triton import lower_to_triton
 from ..lowering.triton.ns_scheduled import schedule_formats
@@ -334,6 +335,8 @@ def _lower(
     # The aten lowering writes nothing back before the graph's last fallible op (writeback.py); the
     # Triton wrapper nothing before its last launch (lowering/triton/fence.py).
     step.fenced = backend == "triton" or write_fence(step.gm) is not None
+    for read in captured.reads:  # the programs run before the step, on the host's device
+        read.fast = fast_program(read.gm)
     if backend == "triton":
         step.lowered = _lower_triton(step.gm, step.key, header, copy_into, settings, device)
     else:

@@ -271,7 +271,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 entry = candidate
                 break
             if candidate.captured.holds_containers and not aliases_hold(
-                self._inner, candidate.captured.inputs, candidate.captured.leaf_aliases,
+                self._inner, tuple(s for s in candidate.captured.inputs if s.kind != "carry"),
+                candidate.captured.leaf_aliases,
                 lambda s: slot_tensor(self._inner, s),
             ):
                 failed_guard = "the tensors kept in containers are other inputs' tensors than when compiled"

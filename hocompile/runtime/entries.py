@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..capture import CapturedStep, host_env, slot_tensor
+from ..capture import CapturedStep, host_env, slot_tensor, step_tensors
 from ..capture_containers import write_containers
 from ..distributed.sharded import like_param, local_tensor
 from ..graph import InputSlot
@@ -128,7 +128,7 @@ def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, A
         env = host_env(opt, captured)
     if entry.stamped is not None:
         return run_stamped(opt, entry.stamped, env)
-    tensors: list[Any] = [slot_tensor(opt, s) for s in captured.inputs]
+    tensors: list[Any] = step_tensors(opt, captured.inputs, env)
     if captured.sharded:  # DTensors: the module runs on the local shards (their writes land in the DTensors)
         tensors = [local_tensor(t) for t in tensors]
     # Evaluated before anything runs: an error here leaves everything as it was.

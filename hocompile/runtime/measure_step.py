@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..capture import slot_tensor
+from ..capture import step_tensors
 from .entries import CompiledEntry, host_env
 
 
@@ -40,8 +40,8 @@ def measure_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, repeats: int
     if entry.stamped is not None:
         return StepMeasurement(skipped="a stamped step (one program per parameter class) is not measured per op yet")
     try:
-        originals = [slot_tensor(opt, slot) for slot in captured.inputs]
         env = host_env(opt, captured)
+        originals = step_tensors(opt, captured.inputs, env)
         scalars = list(captured.scalars(env))
     except (KeyError, IndexError, AttributeError, TypeError) as exc:
         # Typically grads set to None after the step (zero_grad) or state this entry predates.

@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import dtypes
-from ..capture import CapturedStep, slot_tensor
+from ..capture import CapturedStep, slot_tensor, step_tensors
 from ..decisions import eager_dtype
 from ..graph import ROLE, InputSlot
 from ..newton_schulz import newton_schulz
@@ -170,14 +170,16 @@ class References:
     ) -> References:
         assert entry.captured is not None
         inner = opt.optimizer
-        inputs = [_widen(slot_tensor(inner, slot)) for slot in reference.inputs]
-        values = _Float64(reference.gm).run(*inputs, *reference.scalars(opt._host_env(reference)))
+        reference_env = opt._host_env(reference)
+        inputs = [_widen(t) for t in step_tensors(inner, reference.inputs, reference_env)]
+        values = _Float64(reference.gm).run(*inputs, *reference.scalars(reference_env))
         refs = References(exact={a.slot: v for a, v in zip(reference.outputs, values) if a.slot in planned})
-        scalars = list(entry.captured.scalars(opt._host_env(entry.captured)))
+        env = opt._host_env(entry.captured)
+        scalars = list(entry.captured.scalars(env))
         outputs = _graph_outputs(entry)
         for nominal, into in ((False, refs.plan), (True, refs.nominal)):
             # The aten lowering's graph copies results into its inputs: it gets copies.
-            inputs = [_widened_copy(slot_tensor(inner, slot)) for slot in entry.captured.inputs]
+            inputs = [_widened_copy(t) for t in step_tensors(inner, entry.captured.inputs, env)]
             by_slot = dict(zip(entry.captured.inputs, inputs))
             values = _Float64(entry.captured.gm, nominal).run(*inputs, *scalars)
             for slot, _, position in outputs:
