@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from .diskcache import CacheWarning
 from .distributed.check import DistributedMismatchError
+from .dynamo import BackendFallbackWarning, explain_last, inductor_passes
+from .dynamo import register as _register_backend
 from .executed_files import CompiledHelperWarning
 from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
@@ -190,8 +192,11 @@ def compile_optimizer(
     return CompiledOptimizer(optimizer, settings)
 
 
+_register_backend()  # torch.compile(fn, backend="hocompile")
+
 __all__ = [
     "Backend",
+    "BackendFallbackWarning",
     "CacheWarning",
     "CaptureError",
     "CompiledHelperWarning",
@@ -208,5 +213,7 @@ __all__ = [
     "VerificationError",
     "compile_optimizer",
     "explain",
+    "explain_last",
+    "inductor_passes",
     "plan",
 ]

@@ -98,4 +98,6 @@ def _newton_schulz_fake(
         raise ValueError("newton_schulz needs one (a, b, c) per iteration")
     if x.dim() not in (2, 3):
         raise ValueError(f"newton_schulz takes [m, n] or [B, m, n], got {tuple(x.shape)}")
+    if transpose:  # the op iterates on xᵀ and returns its result transposed back: eager's layout too
+        return x.new_empty((*x.shape[:-2], x.shape[-1], x.shape[-2]), dtype=out_dtype).mT
     return x.new_empty(x.shape, dtype=out_dtype)
