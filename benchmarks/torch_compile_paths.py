@@ -140,8 +140,9 @@ def main() -> None:
         "# Compiling a Muon step: torch.compile with and without hocompile, and compile_optimizer",
         "",
         f"Machine: {_machine()}.",
-        f"Command: `OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/torch_compile_paths.py --matrices {args.matrices} "
-        f"--size {args.size} --steps {args.steps} --scale {args.scale}` ({args.matrices} matrices of "
+        "Command: `OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/torch_compile_paths.py "
+        f"--matrices {args.matrices} --size {args.size} --steps {args.steps} --scale {args.scale}` "
+        f"({args.matrices} matrices of "
         f"{args.size}², {args.size}×{4 * args.size} and {4 * args.size}×{args.size}; torch.optim.Muon, tensor lr, "
         "cosine schedule; Inductor's FX-graph cache off).",
         "",

@@ -99,6 +99,9 @@ def _run(make: Any, kind: str, steps: int, options: dict[str, Any], cache_dir: P
     return [p.detach().clone() for p in params]
 
 
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Any:
     torch._dynamo.reset()
@@ -163,3 +166,28 @@ def test_a_graph_outside_hocompiles_ir_runs_as_given_and_says_so(cache_dir: Path
         out = torch.compile(f, backend="hocompile", dynamic=True)(x)
     assert torch.equal(out, f(x))
     assert "left alone" in explain_last()
+
+
+def test_a_whole_train_step_through_the_backend_either_lowering(cache_dir: Path) -> None:
+    """Forward, backward and the Muon + AdamW steps: the forward and backward graphs (nothing to
+    plan) run through hocompile's aten lowering or Inductor, the step's NS is fused either way."""
+    from tests.test_inductor_passes import REL_TOL, _batches, _trainer
+
+    batches = _batches(12)
+    eager_step, _ = _trainer()
+    eager = [float(eager_step(x, y)) for x, y in batches]
+    for lowering in ("hocompile", "inductor"):
+        torch._dynamo.reset()
+        step, _ = _trainer()
+        options = {"cache_dir": cache_dir, "lowering": lowering}
+        before = compiled_graphs()
+        no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+        with torch._inductor.config.patch(fx_graph_cache=False), no_cache:  # a cache hit would skip the pass
+            compiled = torch.compile(step, backend="hocompile", options=options)
+            losses = [float(compiled(x, y)) for x, y in batches]
+        worst = max(abs(a - b) / b for a, b in zip(losses, eager))
+        assert worst <= REL_TOL, (lowering, worst)
+        records = hocompile.dynamo.last_records(compiled_graphs() - before)
+        route = "backend" if lowering == "hocompile" else "inductor pass"
+        assert records and all(r.route == route for r in records), [r.route for r in records]
+        assert sum(r.after.get("newton-schulz", 0) for r in records) == 4, hocompile.explain_last(8, graph=False)

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 import hocompile
 from hocompile.dynamo import last_records
+from hocompile.dynamo.last import compiled_graphs
 
 V, D, S, B = 32, 16, 8, 4
 REL_TOL = 2e-2  # examples/tiny_transformer.py's tolerance for NS-fused losses
@@ -86,10 +87,12 @@ def test_whole_train_step_gets_ns_fused_inside_inductor(cache_dir: Path) -> None
     step, _ = _trainer()
     pre, post = hocompile.inductor_passes(cache_dir=cache_dir)
     patch = {"post_grad_custom_pre_pass": pre, "post_grad_custom_post_pass": post, "fx_graph_cache": False}
-    with torch._inductor.config.patch(patch):
-        compiled = torch.compile(step)
+    before = compiled_graphs()
+    with torch._inductor.config.patch(patch), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(step)  # (no cache: a hit would skip the passes)
         losses = [float(compiled(x, y)) for x, y in batches]
-    fused = [r for r in last_records(8) if r.route == "inductor pass" and r.after.get("newton-schulz")]
+    records = last_records(compiled_graphs() - before)
+    fused = [r for r in records if r.route == "inductor pass" and r.after.get("newton-schulz")]
     assert len(fused) == 1, hocompile.explain_last(8, graph=False)
     assert fused[0].after["newton-schulz"] == 4 and fused[0].after["matmuls"] == 0, hocompile.explain_last()
     assert "4 hocompile ops" in fused[0].lowering, fused[0].lowering  # still there after Inductor's passes

@@ -27,17 +27,13 @@ import torch
 import torch.fx as fx
 
 from ..settings import Settings
-from .graphs import GraphRecord, NotHocompileIR, lower, prepare, run_passes
+from .graphs import BackendFallbackWarning, GraphRecord, NotHocompileIR, lower, prepare, run_passes
 from .last import remember
 
 log = logging.getLogger(__name__)
+__all__ = ["BackendFallbackWarning", "hocompile_backend", "settings_from"]
 
-_OWN_OPTIONS = ("lowering",)
 LOWERINGS = ("hocompile", "inductor")
-
-
-class BackendFallbackWarning(UserWarning):
-    """A graph torch.compile handed to hocompile runs without hocompile's passes (the reason says why)."""
 
 
 def settings_from(options: dict[str, Any] | None) -> tuple[Settings, str]:
@@ -98,7 +94,9 @@ def compile_graph(gm: fx.GraphModule, inputs: list[Any], settings: Settings, tit
         prepared = prepare(work)
         run_passes(prepared, settings, record, device, backend)
         runner = lower(prepared, settings, record, device, backend)
-    except NotHocompileIR as exc:
+    except Exception as exc:  # outside the IR, or a pass failing on a graph it was not built for
+        if not isinstance(exc, NotHocompileIR):
+            exc = NotHocompileIR(f"hocompile failed on it ({type(exc).__name__}: {exc})")
         record.declined = str(exc)
         record.lowering = "as AOTAutograd gave it (aten, no hocompile passes)"
         remember(record)

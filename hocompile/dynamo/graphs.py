@@ -32,6 +32,10 @@ from ..settings import Settings
 aten = torch.ops.aten
 
 
+class BackendFallbackWarning(UserWarning):
+    """A graph torch.compile handed to hocompile runs without hocompile's passes (the reason says why)."""
+
+
 class NotHocompileIR(Exception):
     """The graph is outside what hocompile's passes take; the message says why."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..graph import ROLE
 from ..settings import Settings
-from .graphs import GraphRecord, NotHocompileIR, prepare, run_passes
+from .graphs import BackendFallbackWarning, GraphRecord, NotHocompileIR, prepare, run_passes
 from .last import last_records, remember
 from .recompose import recompose
 
@@ -82,6 +83,14 @@ class HocompilePrePass(CustomGraphPass):
             record.declined = str(exc)
             remember(record)
             log.info("hocompile inductor pass: %s left alone: %s", record.title, exc)
+            return
+        except Exception as exc:  # a pass failing on a graph it was not built for: the graph is untouched
+            record.declined = f"hocompile failed on it ({type(exc).__name__}: {exc})"
+            remember(record)
+            warnings.warn(
+                f"hocompile inductor pass: {record.title} compiled without hocompile's passes: {record.declined}",
+                BackendFallbackWarning, stacklevel=2,
+            )
             return
         if not record.after.get("hocompile ops"):
             record.lowering = "inductor (graph unchanged: nothing hocompile plans)"
