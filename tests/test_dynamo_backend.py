@@ -191,3 +191,16 @@ def test_a_whole_train_step_through_the_backend_either_lowering(cache_dir: Path)
         route = "backend" if lowering == "hocompile" else "inductor pass"
         assert records and all(r.route == route for r in records), [r.route for r in records]
         assert sum(r.after.get("newton-schulz", 0) for r in records) == 4, hocompile.explain_last(8, graph=False)
+
+
+def test_the_backend_lowers_to_triton_kernels(cache_dir: Path) -> None:
+    """``options={"backend": "triton"}``: the graph's write-backs reach the Triton lowering as
+    compile_optimizer's do (kernels under Triton's interpreter here; CUDA params pick it by default)."""
+    triton = pytest.importorskip("triton")
+    assert triton is not None
+    options = {"backend": "triton", "disable_passes": EXACT["disable_passes"]}
+    through_backend = _run(_muon, "backend", 3, options, cache_dir)
+    assert "lowering: triton" in explain_last(graph=False), explain_last(graph=False)
+    wrapped = _run(_muon, "wrapper", 3, options, cache_dir)
+    for i, (a, b) in enumerate(zip(through_backend, wrapped)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), f"param {i}: {(a - b).abs().max():.3g} from the wrapper"
