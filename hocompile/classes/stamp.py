@@ -238,6 +238,8 @@ def stamp_capture(
         classes = split
     else:
         return "the params' own counters take too many different branches"
+    if one.trees or one.holds_containers:  # e.g. state["f"] = [L, R] on the first step
+        return "the step creates containers of tensors (a list or dict in its state): traced whole"
     if one.reads:  # each member's value is its own read: one program per member, not per class
         return "it reads tensor values on the host, each param its own (the step is split at every read)"
     reason = _unstampable(one.gm)
