@@ -3,12 +3,13 @@ values a compiled step runs with: what capture.py traces and the runtime feeds, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .capture_containers import container_attributes, container_value, leaf_slots
-from .containers import holds_tensors, leaf
+from .containers import holds_tensors, leaf, tensor_leaves
 from .graph import InputSlot
 from .host_scalars import is_float
 
@@ -97,10 +98,28 @@ def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
     return opt.state[p][slot.key]
 
 
+def tensor_lookup(opt: torch.optim.Optimizer) -> Callable[[InputSlot], torch.Tensor]:
+    """``slot_tensor`` for many slots at once: each container is flattened once, not once per
+    leaf (a step with a list per param reads thousands of leaves before every step)."""
+    flat: dict[int, list[torch.Tensor]] = {}
+
+    def tensor_of(slot: InputSlot) -> torch.Tensor:
+        if slot.leaf < 0:
+            return slot_tensor(opt, slot)
+        value = container_value(opt, slot)
+        leaves = flat.get(id(value))
+        if leaves is None:
+            leaves = flat[id(value)] = tensor_leaves(value)
+        return leaves[slot.leaf]
+
+    return tensor_of
+
+
 def step_tensors(opt: torch.optim.Optimizer, slots: Any, env: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors for a step's inputs: the optimizer's, and the values its host reads' programs
     computed and hand on (kind "carry", in ``env`` once host_env has run them)."""
-    return [env[s.key] if s.kind == "carry" else slot_tensor(opt, s) for s in slots]
+    tensor_of = tensor_lookup(opt)
+    return [env[s.key] if s.kind == "carry" else tensor_of(s) for s in slots]
 
 
 def host_env(opt: torch.optim.Optimizer, captured: Any) -> dict[str, Any]:

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..capture import CapturedStep, slot_tensor, unwrapped_step
+from ..capture import CapturedStep, unwrapped_step
 from ..capture_containers import aliases_hold
+from ..capture_slots import tensor_lookup
 from ..fused_kernels import runs_as_is
 from ..host_scalars import CaptureError
 from ..host_state import HostSlot
@@ -273,7 +274,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             if candidate.captured.holds_containers and not aliases_hold(
                 self._inner, tuple(s for s in candidate.captured.inputs if s.kind != "carry"),
                 candidate.captured.leaf_aliases,
-                lambda s: slot_tensor(self._inner, s),
+                tensor_lookup(self._inner),
             ):
                 failed_guard = "the tensors kept in containers are other inputs' tensors than when compiled"
                 continue
