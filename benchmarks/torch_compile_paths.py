@@ -20,8 +20,6 @@ one representative per class.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,24 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from host_reads import _machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 import hocompile  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "torch_compile_paths.md"
-
-
-def _machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    a = torch.randn(512, 512, dtype=torch.bfloat16)
-    a @ a
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    gflops = 10 * 2 * 512**3 / (time.perf_counter() - start) / 1e9
-    return f"{model}, {os.cpu_count()} cores, bf16 512³ GEMM {gflops:.0f} GFLOP/s, torch {torch.__version__}"
 
 
 def _shapes(n: int, size: int) -> list[tuple[int, int]]:

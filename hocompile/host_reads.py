@@ -1,5 +1,6 @@
-"""Data-dependent host reads: ``.item()``, ``float(t)``, ``if t > 0``, ``min(t, x)`` on a tensor
-the step computes (a norm, a ratio), not a counter.
+"""Data-dependent host reads: ``.item()``, ``bool(t)``, ``if t > 0``, ``min(t, x)`` on a tensor
+the step computes (a norm, a ratio), not a counter. (``float(t)`` is refused, host_scalars.py:
+Python makes its result a plain float, which nothing can follow.)
 
 Eager reads such a value once, on the host (one sync), and goes on with a Python
 number. A compiled step does the same, split at the read:

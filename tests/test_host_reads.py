@@ -200,29 +200,28 @@ class BranchOnFloat(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] * scale)
 
 
-def test_float_of_a_tensor_is_refused_naming_the_line(cache_dir: Path) -> None:
+def _assert_refused(cls: type, match: str, cache_dir: Path) -> list[torch.nn.Parameter]:
+    """The first step raises CaptureError matching ``match`` and writes nothing; the params."""
     params = _params()
     for p in params:
         p.grad = torch.ones_like(p)
-    compiled = hocompile.compile_optimizer(BranchOnFloat(params), cache_dir=cache_dir)
+    compiled = hocompile.compile_optimizer(cls(params), cache_dir=cache_dir)
     before = [p.detach().clone() for p in params]
-    with pytest.raises(CaptureError, match=r"float\(\) on a .*test_host_reads.py:\d+ .*`t.item\(\)`"):
+    with pytest.raises(CaptureError, match=match):
         compiled.step()
     assert all(torch.equal(a, b) for a, b in zip(before, params)), "nothing written before the refusal"
+    return params
+
+
+def test_float_of_a_tensor_is_refused_naming_the_line(cache_dir: Path) -> None:
+    params = _assert_refused(BranchOnFloat, r"float\(\) on a .*test_host_reads.py:\d+ .*`t.item\(\)`", cache_dir)
     fallback = hocompile.compile_optimizer(BranchOnFloat(params), cache_dir=cache_dir, fallback="eager")
     fallback.step()
     assert fallback.counters.eager_fallbacks == 1
 
 
 def test_read_used_as_an_int_is_refused(cache_dir: Path) -> None:
-    params = _params()
-    for p in params:
-        p.grad = torch.ones_like(p)
-    compiled = hocompile.compile_optimizer(CountsByItem(params), cache_dir=cache_dir)
-    before = [p.detach().clone() for p in params]
-    with pytest.raises(CaptureError, match=r"int\(\)"):
-        compiled.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, params)), "nothing written before the refusal"
+    _assert_refused(CountsByItem, r"int\(\)", cache_dir)
 
 
 def test_square_inplace_is_pow_inplace_bitwise() -> None:

@@ -20,6 +20,7 @@ precision, a disabled pass, an edited pass) compiles afresh instead of reusing a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import warnings
@@ -176,8 +177,17 @@ def _uuid(settings: Settings, device: torch.device) -> str:
     pipeline, _ = step_pipeline(settings, device, "aten")
     identity = ";".join(p.identity() for p in pipeline if p.name not in settings.disabled_passes)
     digest = hashlib.sha256()
-    for part in (__version__, identity, str(device), str(settings.precision), repr(sorted(settings.disabled_passes))):
+    parts = (__version__, identity, str(device), str(settings.precision), repr(sorted(settings.disabled_passes)))
+    for part in (*parts, _sources_digest()):
         digest.update(part.encode())
-    for path in sorted(_PACKAGE.rglob("*.py")):  # the passes, the ops they insert, this bridge
+    return digest.hexdigest()
+
+
+@functools.cache
+def _sources_digest() -> str:
+    """hocompile's sources (the passes, the ops they insert, this bridge), read once per process:
+    the backend asks for a uuid per frame it hands to Inductor."""
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
