@@ -162,14 +162,22 @@ def _raw(fn: Any) -> Any:
 
 
 def runs_as_is(opt: Any) -> str:
-    """Why ``opt``'s step runs as torch runs it, uncompiled ('' where it is compiled): a torch.optim
-    Adam/AdamW/SGD/Adagrad with fused=True in every group, whose step is torch's own (not overridden).
+    """Why ``opt``'s step runs as torch runs it, uncompiled ('' where it is compiled): torch's own
+    step (not overridden) that is either
 
-    That step is one fused kernel call over every param: nothing for hocompile to improve, and a
-    traced copy of it costs more per step (measured: 1,200 params, AdamW, 103 ms compiled against
-    12 ms eager, after a 51 s compile). A class that calls these kernels among code of its own is
-    compiled, the kernels as opaque ops (KERNELS)."""
+    - Adam/AdamW/SGD/Adagrad with fused=True in every group: one fused kernel call over every
+      param, nothing for hocompile to improve, and a traced copy of it costs more per step
+      (measured: 1,200 params, AdamW, 103 ms compiled against 12 ms eager, after a 51 s compile).
+      A class that calls these kernels among code of its own is compiled, the kernels as opaque
+      ops (KERNELS);
+    - SparseAdam: its step coalesces sparse gradients whose number of entries changes every step
+      and writes only the rows they touch; a traced step takes dense tensors of fixed shapes, so
+      the honest compiled step is torch's (a dense copy would cost a full-table pass per step).
+    """
     step = _raw(type(opt).step)
+    if isinstance(opt, torch.optim.SparseAdam) and step is _raw(torch.optim.SparseAdam.step):
+        return ("SparseAdam: its step updates only the rows its sparse gradients touch, which a traced "
+                "step of fixed shapes cannot express; hocompile runs it as is (eager's step, bit for bit)")
     cls = next((c for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
                 if isinstance(opt, c) and step is _raw(c.step)), None)
     groups = getattr(opt, "param_groups", [])

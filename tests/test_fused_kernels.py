@@ -119,3 +119,32 @@ def test_torchs_own_fused_step_runs_as_is(make: Any, cache_dir: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager_params, compiled_params))
     assert compiled.counters.as_is == 3 and compiled.counters.compiles == 0
     assert "run as is: fused=True" in hocompile.explain(compiled)
+
+
+def test_sparse_adam_runs_as_is_and_a_subclass_stepping_its_own_way_is_refused(cache_dir: Path) -> None:
+    # An nn.Embedding(sparse=True)'s gradient: the rows it touches change every step.
+    eager_table, compiled_table = torch.randn(10, 4), torch.randn(10, 4)
+    compiled_table.copy_(eager_table)
+    eager = torch.optim.SparseAdam([eager_table], lr=1e-2)
+    compiled = hocompile.compile_optimizer(torch.optim.SparseAdam([compiled_table], lr=1e-2), cache_dir=cache_dir)
+    for rows in ([1, 3], [0, 3, 7, 9], [5]):
+        grad = torch.sparse_coo_tensor(torch.tensor([rows]), torch.randn(len(rows), 4), (10, 4),
+                                       check_invariants=True)
+        eager_table.grad, compiled_table.grad = grad, grad.clone()
+        eager.step()
+        compiled.step()
+    assert torch.equal(eager_table, compiled_table)
+    assert compiled.counters.as_is == 3 and compiled.counters.compiles == 0
+    assert "run as is: SparseAdam" in hocompile.explain(compiled)
+    assert "run as is: SparseAdam" in hocompile.plan(torch.optim.SparseAdam([torch.randn(3, 2)]))
+
+    class OwnSparseAdam(torch.optim.SparseAdam):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    table = torch.randn(10, 4)
+    table.grad = torch.sparse_coo_tensor(torch.tensor([[2]]), torch.randn(1, 4), (10, 4), check_invariants=True)
+    before = table.clone()
+    with pytest.raises(hocompile.CaptureError, match="OwnSparseAdam overrides SparseAdam.step"):
+        hocompile.compile_optimizer(OwnSparseAdam([table], lr=1e-2), cache_dir=cache_dir).step()
+    assert torch.equal(table, before)

@@ -24,6 +24,7 @@ import torch
 from .. import dtypes
 from ..decisions import format_seconds
 from ..distributed.plan import Item, assign_buckets, assign_owners
+from ..fused_kernels import runs_as_is
 from ..graph import decisions
 from ..lowering.class_programs import CHUNK_BYTES, temporaries_bytes
 from ..passes.batch_by_shape import BatchByShape, stack_bytes_of
@@ -43,6 +44,8 @@ def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings:
     (``distributed="replicated"``'s longest-processing-time plan), for a stamped step.
     """
     resolved = Settings.resolve(**settings)
+    if why := runs_as_is(optimizer):
+        return f"plan for {type(optimizer).__name__}.step: run as is: {why}\n"
     validate(optimizer)
     # The compile driver CompiledOptimizer uses, stopped before lowering.
     step = compile_step(optimizer, resolved, lower=False)

@@ -44,8 +44,8 @@ def _refuse_optimizer(opt: torch.optim.Optimizer) -> None:
         )
     if isinstance(opt, torch.optim.SparseAdam):
         raise CaptureError(
-            "SparseAdam steps sparse gradients, which hocompile does not compile "
-            "(use Adam or AdamW on dense gradients, or run SparseAdam eagerly)"
+            f"{kind} overrides SparseAdam.step: a step of sparse gradients cannot be traced (torch's own "
+            "SparseAdam.step runs as is under compile_optimizer; otherwise run this one eagerly)"
         )
 
 
