@@ -8,7 +8,8 @@ boolean flags (from the constructor's signature), so a torch upgrade that adds
 an optimizer or a flag adds configs here instead of being silently skipped.
 Per config: the base variant, ``foreach=True`` and ``fused=True`` where the
 class takes them (fused only where torch has CPU kernels), and each boolean
-flag flipped from its default, with and without foreach. Hyperparameters are
+flag flipped from its default, with and without foreach (maximize and amsgrad
+with foreach are torch's test database's: db_configs). Hyperparameters are
 non-default (weight decay and momentum on) so their branches are exercised.
 
 A ``resumed`` variant compiles after one eager step, from its state_dict,
@@ -31,7 +32,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -74,6 +75,9 @@ EXTRA_VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 }
 
 _NOT_FLAGS = frozenset({"foreach", "fused"})
+# Flags torch's test database (db_configs) runs with foreach=True wherever the optimizer has them:
+# the sweep flips them single-tensor and fused only.
+_IN_THE_DATABASE = frozenset({"maximize", "amsgrad"})
 
 
 def discover_optimizers() -> list[type[torch.optim.Optimizer]]:
@@ -107,7 +111,8 @@ class Config:
         return f"{self.optimizer}-{self.variant}"
 
     def make(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return getattr(torch.optim, self.optimizer)(params, **self.kwargs)
+        # Deep-copied: a tensor lr must not be shared by the eager and the compiled optimizer.
+        return getattr(torch.optim, self.optimizer)(params, **copy.deepcopy(self.kwargs))
 
 
 def configs() -> list[Config]:
@@ -129,12 +134,43 @@ def configs() -> list[Config]:
                 # The steady-state graph straight away, as when training resumes from a checkpoint.
                 out.append(Config(name, "resumed", {**base, **mode_kw}, shapes, resumed=True))
             for flag in flags:
+                if mode == "foreach" and flag in _IN_THE_DATABASE:
+                    continue  # test_torch_optim_db.py runs foreach with it (CI's time)
                 kw = {**base, **mode_kw, flag: not sig[flag].default, **FLAG_REQUIRES.get((name, flag), {})}
                 label = f"{flag}={not sig[flag].default}" if sig[flag].default else flag
                 out.append(Config(name, f"{mode}+{label}" if mode else label, kw, shapes))
         for label, extra in EXTRA_VARIANTS.get(name, []):
             out.append(Config(name, label, {**base, **extra}, shapes))
     return [cfg for cfg in out if _constructible(cfg)]
+
+
+def _impls(cls: type[torch.optim.Optimizer], supported: tuple[str, ...], fused_on: tuple[str, ...]) -> list[
+        tuple[str, dict[str, bool]]]:
+    if "foreach" not in inspect.signature(cls.__init__).parameters:
+        return [("", {})]
+    out = [("for-loop", {"foreach": False})]
+    if "foreach" in supported:
+        out.append(("foreach", {"foreach": True}))
+    if "fused" in supported and "cpu" in fused_on:
+        out.append(("fused", {"fused": True}))
+    return out
+
+
+def db_configs() -> list[Config]:
+    """torch's own test database (common_optimizers.optim_db): each OptimizerInput it ships for
+    the CPU × for-loop / foreach / fused where the optimizer has them (tests/test_torch_optim_db.py)."""
+    from torch.testing._internal.common_optimizers import optim_db
+
+    out = []
+    for info in optim_db:
+        cls = cast(type[torch.optim.Optimizer], info.optim_cls)  # torch annotates it as an instance
+        shapes = tuple(MATRIX_SHAPES if cls is torch.optim.Muon else SHAPES)
+        for given in info.optim_inputs_func(device="cpu", dtype=torch.float32):
+            assert given.params is None, f"{cls.__name__} {given.desc}: an input with its own params"
+            for impl, impl_kw in _impls(cls, info.supported_impls, info.supports_fused_on):
+                label = given.desc.replace(" ", "_") + (f"+{impl}" if impl else "")
+                out.append(Config(cls.__name__, label, {**given.kwargs, **impl_kw}, shapes))
+    return out
 
 
 def _constructible(cfg: Config) -> bool:
@@ -150,7 +186,6 @@ def _constructible(cfg: Config) -> bool:
 
 # Configs hocompile refuses by design, and what the refusal must say.
 LIMITATIONS: list[tuple[Callable[[Config], bool], str]] = [
-    (lambda c: c.optimizer == "SparseAdam", "SparseAdam"),
     (lambda c: c.optimizer == "LBFGS", "closure"),
 ]
 
@@ -256,6 +291,8 @@ def _snapshot(opt: torch.optim.Optimizer) -> list[Any]:
 def _differences(a: Any, b: Any, where: str = "") -> list[str]:
     """Where two snapshots differ (tensors bitwise, NaN equal to NaN)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.is_sparse or b.is_sparse:
+            a, b = a.to_dense(), b.to_dense()
         if a.shape != b.shape or a.dtype != b.dtype:
             return [f"{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"]
         if torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num())):
@@ -296,6 +333,16 @@ def _diff(eager: torch.optim.Optimizer, compiled: torch.optim.Optimizer) -> list
     return out
 
 
+def _grad(cfg: Config, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """A random gradient; for SparseAdam a sparse one over a random half of the rows (an
+    nn.Embedding(sparse=True)'s gradient), so the rows it touches change every step."""
+    g = torch.randn(shape, generator=gen)
+    if cfg.optimizer != "SparseAdam":
+        return g
+    rows = torch.rand(shape[0], generator=gen) < 0.5
+    return (g * rows.view(-1, *[1] * (len(shape) - 1))).to_sparse(1)
+
+
 def run(cfg: Config, cache_dir: Path, compile_kw: dict[str, Any], steps: int = STEPS) -> Outcome:
     """Step eager and compiled copies of ``cfg`` with identical grads and lrs."""
     eager_params = make_params(cfg.shapes)
@@ -305,7 +352,7 @@ def run(cfg: Config, cache_dir: Path, compile_kw: dict[str, Any], steps: int = S
     gen = torch.Generator().manual_seed(1)
     if cfg.resumed:
         for pe in eager_params:
-            pe.grad = torch.randn(pe.shape, generator=gen)
+            pe.grad = _grad(cfg, pe.shape, gen)
         try:
             eager.step()
         except Exception:  # noqa: BLE001 - torch rejects the config: the compiled step must too
@@ -321,9 +368,12 @@ def run(cfg: Config, cache_dir: Path, compile_kw: dict[str, Any], steps: int = S
             compiled.load_state_dict(copy.deepcopy(eager.state_dict()))
         lr = lr0 * (1.0 - 0.05 * step)  # a scheduler: a new float every step
         for group in eager.param_groups + compiled.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # a tensor lr is scheduled in place (as LRScheduler does)
+            else:
+                group["lr"] = lr
         for pe, pc in zip(eager_params, compiled_params):
-            pe.grad = torch.randn(pe.shape, generator=gen)
+            pe.grad = _grad(cfg, pe.shape, gen)
             pc.grad = pe.grad.clone()
         before = _snapshot(compiled)
         try:
@@ -353,11 +403,17 @@ def run(cfg: Config, cache_dir: Path, compile_kw: dict[str, Any], steps: int = S
     return Outcome("bitwise", recompiles=list(compiled.counters.recompiles))
 
 
-def check(cfg: Config, cache_dir: Path) -> Outcome:
-    """``cfg`` under every pipeline it must be bitwise in; the first non-bitwise outcome wins."""
+def check(cfg: Config, cache_dir: Path, only: str | None = None) -> Outcome:
+    """``cfg`` under every pipeline it must be bitwise in (``only``: the one named, or with
+    ``"last"`` the last of them: the default one, or EXACT for Muon); the first non-bitwise
+    outcome wins."""
+    pipelines = pipelines_for(cfg)
+    if only is not None:
+        name = list(pipelines)[-1] if only == "last" else only
+        pipelines = {name: pipelines[name]}
     checked: list[str] = []
     recompiles: list[str] = []
-    for name, compile_kw in pipelines_for(cfg).items():
+    for name, compile_kw in pipelines.items():
         outcome = run(cfg, cache_dir, compile_kw)
         if outcome.kind != "bitwise":
             if outcome.kind in ("wrong", "crash"):
@@ -368,6 +424,6 @@ def check(cfg: Config, cache_dir: Path) -> Outcome:
     return Outcome("bitwise", recompiles=recompiles, pipelines=tuple(checked))
 
 
-def iter_outcomes(cache_dir: Path) -> Iterator[tuple[Config, Outcome]]:
-    for cfg in configs():
+def iter_outcomes(cache_dir: Path, cfgs: list[Config] | None = None) -> Iterator[tuple[Config, Outcome]]:
+    for cfg in configs() if cfgs is None else cfgs:
         yield cfg, check(cfg, cache_dir)
