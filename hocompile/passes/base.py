@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import logging
@@ -53,11 +52,15 @@ class Pass:
         return f"{self.name}({options})@{_source_digest(type(self))}"
 
 
-@functools.cache
+_DIGESTS: dict[type, str] = {}
+
+
 def _source_digest(cls: type) -> str:
     """The class's source, hashed once per class object (inspect.getsource re-reads and re-parses
     the file: ~10 ms a pass, on every compile). A reloaded module makes a new class, a new entry."""
-    return hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:12]
+    if (known := _DIGESTS.get(cls)) is None:
+        known = _DIGESTS[cls] = hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:12]
+    return known
 
 
 def with_declines(summary: str, reasons: list[str]) -> str:
