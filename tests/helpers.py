@@ -11,6 +11,7 @@ import typing_extensions
 
 import hocompile
 from hocompile.passes import default_pipeline
+from hocompile.passes.stack_calls import StackCalls
 from hocompile.passes.stack_members import StackMembers
 
 # emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12).
@@ -69,11 +70,14 @@ def emerging_muon(params: Any, **kw: Any) -> torch.optim.Optimizer:
 # own aten ops and must be bit-identical (tests of capture and runtime mechanics).
 EXACT: dict[str, Any] = {"disable_passes": ("fuse-newton-schulz", "choose-algorithm")}
 
-# Every pass a single-process CPU step can meet: the default pipeline's, and stack-members (added
-# for stamped steps, compile_step.with_stack_members). With all off the compiled step is eager's
+# Every pass a single-process CPU step can meet: the default pipeline's, stack-members (added
+# for stamped steps, compile_step.with_stack_members) and stack-calls (for steps traced whole,
+# compile_step.step_pipeline). With all off the compiled step is eager's
 # own arithmetic, bit for bit: the documented promise the corpus, sweep and Scion tests check.
 EVERY_PASS_OFF: dict[str, Any] = {
-    "disable_passes": (*(p.name for p in default_pipeline(hocompile.Target("cpu-avx2"))), StackMembers.name)
+    "disable_passes": (
+        *(p.name for p in default_pipeline(hocompile.Target("cpu-avx2"))), StackMembers.name, StackCalls.name
+    )
 }
 
 

@@ -132,12 +132,14 @@ def _eager_alpha(graph: fx.Graph) -> None:
 
 
 def run_passes(
-    prepared: PreparedGraph, settings: Settings, record: GraphRecord, device: torch.device, backend: str
+    prepared: PreparedGraph, settings: Settings, record: GraphRecord, device: torch.device, backend: str,
+    inductor: bool = False,
 ) -> None:
-    """hocompile's default pipeline for ``device`` on the graph (rewritten in place)."""
+    """hocompile's default pipeline for ``device`` on the graph (rewritten in place); ``inductor``:
+    a post-grad graph Inductor lowers next."""
     from ..runtime.compile_step import step_pipeline  # (the runtime imports this package's users)
 
-    pipeline, _ = step_pipeline(settings, device, backend)
+    pipeline, _ = step_pipeline(settings, device, backend, stack_calls=not inductor)
     record.before = graph_stats(prepared.gm)
     start = time.perf_counter()
     prepared.gm, record.passes = run_pipeline(prepared.gm, pipeline, settings.disabled_passes, settings.dump_dir)

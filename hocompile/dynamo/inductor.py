@@ -79,7 +79,7 @@ class HocompilePrePass(CustomGraphPass):
         try:
             prepared = prepare(work, eager_alpha=False)
             # planned for the ops' torch.library kernels, which Inductor calls (not hocompile's Triton)
-            run_passes(prepared, self.settings, record, self.device, "aten")
+            run_passes(prepared, self.settings, record, self.device, "aten", inductor=True)
         except NotHocompileIR as exc:  # Inductor compiles it as it would without hocompile
             record.declined = str(exc)
             remember(record)
@@ -174,7 +174,7 @@ def _uuid(settings: Settings, device: torch.device) -> str:
     except PackageNotFoundError:  # a source tree: the passes' sources below still key it
         __version__ = "source"
 
-    pipeline, _ = step_pipeline(settings, device, "aten")
+    pipeline, _ = step_pipeline(settings, device, "aten", stack_calls=False)
     identity = ";".join(p.identity() for p in pipeline if p.name not in settings.disabled_passes)
     digest = hashlib.sha256()
     parts = (__version__, identity, str(device), str(settings.precision), repr(sorted(settings.disabled_passes)))

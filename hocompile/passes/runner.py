@@ -26,8 +26,9 @@ class PassRecord:
     seconds: float
 
 
-# Passes that run outside the step pipeline (stamped steps' member stacking): disabling them is valid.
-_OUTSIDE_PIPELINE = frozenset({"stack-members"})
+# Passes added to the default pipeline by the runtime (stamped steps' member stacking, a whole
+# trace's same-shaped calls): disabling them is valid.
+_OUTSIDE_PIPELINE = frozenset({"stack-members", "stack-calls"})
 
 
 def run_pipeline(

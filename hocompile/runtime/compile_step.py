@@ -38,6 +38,7 @@ from ..lowering.writeback import write_fence
 from ..passes import BatchByShape, Pass, PassRecord, default_pipeline, run_pipeline
 from ..passes.dist_ownership import DistOwnership
 from ..passes.route_sharded import require_routed, with_route_sharded
+from ..passes.stack_calls import StackCalls
 from ..passes.stack_members import StackMembers
 from ..settings import Backend, Distributed, Settings
 from ..targets import Target, device_arch, resolve_target
@@ -123,8 +124,11 @@ def shared_target(opt: torch.optim.Optimizer, pipeline: tuple[Pass, ...]) -> Tar
     return rank0_target(found, mesh.get_group().group_name)
 
 
-def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tuple[tuple[Pass, ...], Target]:
-    """The default pass pipeline for ``settings`` on ``device`` (the target calibrated on first use)."""
+def step_pipeline(
+    settings: Settings, device: torch.device, backend: str, stack_calls: bool = True
+) -> tuple[tuple[Pass, ...], Target]:
+    """The default pass pipeline for ``settings`` on ``device`` (the target calibrated on first use);
+    ``stack_calls=False`` for graphs Inductor lowers (it has no lowering for aten.stack post-grad)."""
     with COMPILE_LOCK:
         target = resolve_target(settings.target, settings.cache_dir, device)
     triton = backend == "triton"
@@ -139,6 +143,12 @@ def step_pipeline(settings: Settings, device: torch.device, backend: str) -> tup
         max_stack_bytes=settings.max_stack_bytes,
         dist_ownership=ownership_pass(settings),  # None unless distributed="replicated"
     )
+    if stack_calls and not triton and settings.distributed != Distributed.REPLICATED:
+        # A step traced whole stacks its same-shaped NS calls where this CPU measures that faster
+        # and bitwise (a stamped step stacks its classes' members instead: with_stack_members).
+        pipeline = (*pipeline, StackCalls(target=target, max_batch=settings.max_batch or StackCalls.max_batch,
+                                          max_stack_bytes=settings.max_stack_bytes or StackCalls.max_stack_bytes,
+                                          cache_dir=settings.cache_dir))
     return pipeline, target
 
 
@@ -187,6 +197,7 @@ def compile_step(
             with torch.no_grad():
                 captured = capture(opt, settings.structural_keys, opaque_helpers=opaque_helpers(settings))
             if captured.sharded:  # DTensors: each NS routed to an owner or run tensor-parallel (route_sharded.py)
+                pipeline = tuple(p for p in pipeline if not isinstance(p, StackCalls))
                 pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode, shared)
             step = _run_passes(captured, pipeline, settings, dump_dir)
             step.stamp_note = stamped
@@ -297,6 +308,7 @@ def _stamped(
     if isinstance(found, str):
         return found
     captured, stamp = found
+    pipeline = tuple(p for p in pipeline if not isinstance(p, StackCalls))  # one call per class: nothing side by side
     if not planning:  # each class's calls may run on stacks of its members (passes/stack_members.py)
         pipeline = with_stack_members(pipeline, stamp, settings)
     step = _run_passes(captured, pipeline, settings, dump_dir)

@@ -1,0 +1,203 @@
+"""stack-calls: same-shaped Newton–Schulz calls of a step traced whole run stacked, where that is
+measured faster on this CPU and computes the very same bits.
+
+batch-by-shape declines on a CPU: there a loop of ``mm`` is as fast as a batched GEMM for large
+matrices, and a stack costs copies and memory. For small and middling matrices it is not: one
+call per matrix is host- and thread-bound (measured here: 12 Muon matrices of 128² to 128×512,
+a stacked step 1.2-1.3× eager's). A stamped step stacks its classes' members (stack-members); a
+step traced whole (``stamp=False``, a step that cannot be stamped, ``torch.compile(...,
+backend="hocompile")``) holds its same-shaped calls side by side, and this pass stacks those.
+
+It runs after the plan (choose-algorithm, choose-precision: the op as it will run), per group of
+calls with one batch key, shape, orientation and thread count. It times one call per member
+against calls on stacks of ``k`` (the stack, the batched call and the unbind, interleaved, min of
+a few rounds) and stacks only where that is ≥10 % faster **and** bitwise one call per member's at
+every stack size it will use (a batched GEMM may take another kernel). So the step that stacks is
+bitwise the one that does not. Answers are cached per CPU, op, shape and stack size.
+
+Before::
+
+    t5 = hocompile.newton_schulz(t4, ...)    t9 = hocompile.newton_schulz(t8, ...)   ...
+
+After::
+
+    t20 = aten.stack([t4, t8, ...]);  t21 = hocompile.newton_schulz(t20, ...)  # stack-calls: 4 per call
+    t22 = aten.unbind(t21);  t5 = t22[0];  t9 = t22[1]  ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .. import dtypes
+from ..decisions import DECISION, Alternative, Decision, format_seconds, record
+from ..diskcache import read_json, write_json
+from ..graph import stable_topological_sort
+from ..registry import registered_calls
+from ..targets import Target, cpu_id
+from .base import Pass, PassResult, with_declines
+from .batch_by_shape import _independent, stack_bytes_of
+from .measure_ns import intra_op_threads
+from .stack_members import MARGIN, MIN_MEMBERS, ROUNDS, _threads
+
+STACK_CALLS_VERSION = 1
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StackCalls(Pass):
+    name: ClassVar[str] = "stack-calls"
+    target: Target = field(default_factory=lambda: Target("unset"))
+    max_batch: int = 64
+    max_stack_bytes: int = 64 * 2**20
+    cache_dir: Path | None = None
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        if not (self.target.measured and self.target.name == "cpu"):
+            return PassResult(gm, False, self.decline(f"{self.target.name}: not this CPU, nothing to time"))
+        groups: dict[Any, list[tuple[fx.Node, Any]]] = {}
+        for node, family in registered_calls(gm.graph):
+            if family.batch is None or family.name != "newton_schulz":
+                continue
+            spec = family.spec_of(node)
+            key = family.batch.key(spec)
+            val = node.meta["val"]
+            if key is None or val.dim() != 2:
+                continue
+            orientation = bool(family.batch.transposed(spec))
+            groups.setdefault((key, tuple(val.shape), orientation, _threads(node)), []).append((node, family))
+        made, declined = 0, []
+        for members in groups.values():
+            if len(members) < MIN_MEMBERS:
+                declined.append(f"{members[0][0].name}: {len(members)} call(s) of its shape")
+                continue
+            rule = members[0][1].batch
+            assert rule is not None
+            per_call = stack_bytes_of(rule, members[0][0], members[0][1].spec_of(members[0][0]))
+            k = max(1, min(len(members), self.max_batch, self.max_stack_bytes // max(1, per_call)))
+            chunks = [members[i : i + k] for i in range(0, len(members), k)]
+            decision = self._decide(members[0][0], members[0][1], sorted({len(c) for c in chunks if len(c) > 1}))
+            if not decision.chose:
+                declined.append(f"{members[0][0].name}: {decision.why}")
+                continue
+            for chunk in chunks:
+                specs = [(node, family.spec_of(node)) for node, family in chunk]
+                kept, dependent = _independent(specs)
+                declined += [f"{n.name}: reads another call of its stack" for n in dependent]
+                if len(kept) > 1:
+                    _stack(gm, kept, decision)
+                    made += 1
+        if not made:
+            reason = declined[0] if declined else "no Newton–Schulz calls of one shape to stack"
+            return PassResult(gm, False, self.decline(reason), declined)
+        stable_topological_sort(gm.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return PassResult(gm, True, with_declines(f"{made} stacked call(s)", declined), declined)
+
+    def _decide(self, node: fx.Node, family: Any, sizes: list[int]) -> Decision:
+        if not sizes:
+            return Decision(self.name, {}, why="no stack of two or more")
+        spec = family.spec_of(node)
+        (name,) = spec.tensor_fields()
+        x = spec.node_of(name).meta["val"]
+        threads = _threads(node)
+        # Host scalars (eps) as the values the capture saw: what the op computes does not depend on them.
+        values = {f: v.meta["val"] for f in spec.field_names() if isinstance(v := getattr(spec, f), fx.Node)}
+        concrete = spec.replace(**values)
+
+        def one(xs: Tensors) -> Tensors:
+            with intra_op_threads(threads):
+                return [family.op(*concrete.replace(**{name: t}).to_args()) for t in xs]
+
+        def stacked(xs: Tensors) -> Tensors:  # as _stack rewrites the graph
+            with intra_op_threads(threads):
+                return list(family.op(*concrete.replace(**{name: torch.stack(xs)}).to_args()).unbind(0))
+
+        text = f"{STACK_CALLS_VERSION};{cpu_id()};{concrete.replace(**{name: None})!r};{tuple(x.shape)};{x.dtype}"
+        digest = hashlib.sha256(f"{text};{sizes};{threads}".encode()).hexdigest()[:24]
+        path = self.cache_dir / f"stack-calls-{digest}.json" if self.cache_dir is not None else None
+        found = read_json(path, _parse) if path is not None else None
+        if found is None:
+            with _disable_current_modes(), torch.no_grad():  # real tensors, even under AOTAutograd's fake mode
+                found = _measure(one, stacked, tuple(x.shape), x.dtype, sizes)
+            if path is not None:
+                write_json(path, found)
+        loop_s, stacked_s = found["loop_s"], found["stacked_s"]
+        k = max(sizes)
+        each = f"{format_seconds(stacked_s)} vs {format_seconds(loop_s)} per call one by one"
+        one_by_one = Alternative("one call per matrix", loop_s)
+        if not found["bitwise"]:
+            return Decision(self.name, {}, why=f"a stack of {k} rounds differently here ({each})")
+        if stacked_s > MARGIN * loop_s:
+            why = f"a stack of {k} is not faster here ({each})"
+            return Decision(self.name, {}, why=why, alternatives=(one_by_one,))
+        return Decision(
+            self.name, {"stack": k}, f"{k} calls per stack", stacked_s, alternatives=(one_by_one,),
+            why=f"measured here ({each}), bitwise one call per matrix ({dtypes.name(x.dtype)}{list(x.shape)})",
+        )
+
+
+def _stack(gm: fx.GraphModule, chunk: list[tuple[fx.Node, Any]], decision: Decision) -> None:
+    """``chunk``'s calls as one call on the stack of their inputs, unbound after: the very call
+    _decide timed (a tall input stays tall, the op transposes each matrix of the stack as it does
+    one; stacking their transposes instead rounds differently)."""
+    graph = gm.graph
+    nodes, specs = [n for n, _ in chunk], [s for _, s in chunk]
+    (name,) = specs[0].tensor_fields()
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):  # placed anywhere; the topological sort fixes order
+        xs = [spec.node_of(name) for spec in specs]
+        stacked = graph.call_function(torch.ops.aten.stack.default, (xs,))
+        stacked.meta["val"] = torch.stack([x.meta["val"] for x in xs])
+        target = cast(Callable[..., Any], nodes[0].target)
+        call = graph.call_function(target, specs[0].replace(**{name: stacked}).to_args())
+        call.meta["val"] = torch.stack([n.meta["val"] for n in nodes])
+        call.meta[DECISION] = nodes[0].meta.get(DECISION, ())  # the plan the members share
+        record(call, decision)
+        parts = graph.call_function(torch.ops.aten.unbind.int, (call,))
+        parts.meta["val"] = list(call.meta["val"].unbind(0))
+        for i, node in enumerate(nodes):
+            part = graph.call_function(operator.getitem, (parts, i))
+            part.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(part)
+    for node in nodes:
+        graph.erase_node(node)
+
+
+def _parse(data: Any) -> dict[str, Any]:
+    return {"loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"])}
+
+
+def _measure(
+    one: Callable[[Tensors], Tensors], stacked: Callable[[Tensors], Tensors], shape: tuple[int, ...], dtype: Any,
+    sizes: list[int],
+) -> dict[str, Any]:
+    """Seconds per call one by one and in a stack of the largest size, and whether every size
+    the pass will use gives one-by-one's bits."""
+    gen = torch.Generator().manual_seed(0)
+    k = max(sizes)
+    xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(k)]
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(one(xs[:m]), stacked(xs[:m]))) for m in sizes
+    )
+    loop_s = stacked_s = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        one(xs)
+        loop_s = min(loop_s, (time.perf_counter() - start) / k)
+        start = time.perf_counter()
+        stacked(xs)
+        stacked_s = min(stacked_s, (time.perf_counter() - start) / k)
+    return {"loop_s": loop_s, "stacked_s": stacked_s, "bitwise": same}

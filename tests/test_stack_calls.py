@@ -1,0 +1,127 @@
+"""stack-calls (hocompile/passes/stack_calls.py): a step traced whole stacks its same-shaped
+Newton–Schulz calls where this CPU measures that faster and bitwise one call per matrix.
+
+Whether stacking pays is a measurement; these tests fix its answer (``_measure`` patched) so the
+rewrite itself is tested on every machine, and check the real measurement's bitwise claim
+against the step with the pass off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hocompile
+from hocompile.passes import stack_calls
+
+SHAPES = [(16, 32), (32, 16)] * 4 + [(24, 24)]  # four wide, four tall, one alone
+
+
+def _params() -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _run(cache_dir: Path, steps: int = 3, **options: Any) -> tuple[list[torch.Tensor], Any]:
+    params = _params()
+    compiled = hocompile.compile_optimizer(
+        torch.optim.Muon(params, lr=0.02, weight_decay=0.1), cache_dir=cache_dir, stamp=False, **options
+    )
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        compiled.step()
+    return [p.detach().clone() for p in params], compiled
+
+
+def _answer(monkeypatch: pytest.MonkeyPatch, faster: bool, bitwise: bool) -> list[list[int]]:
+    asked: list[list[int]] = []
+
+    def measure(one: Any, stacked: Any, shape: Any, dtype: Any, sizes: list[int]) -> dict[str, Any]:
+        asked.append(sizes)
+        return {"loop_s": 1e-3, "stacked_s": 4e-4 if faster else 1e-3, "bitwise": bitwise}
+
+    monkeypatch.setattr(stack_calls, "_measure", measure)
+    return asked
+
+
+def test_same_shaped_calls_stack_and_the_step_is_bitwise_the_unstacked_one(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    plain, _ = _run(cache_dir, disable_passes=("stack-calls",))
+    asked = _answer(monkeypatch, faster=True, bitwise=True)
+    stacked, compiled = _run(cache_dir / "fresh")
+    assert sorted(asked) == [[4], [4]]  # one question per group: wide, tall; the square one stays alone
+    graph = hocompile.explain(compiled)
+    assert "stack-calls         changed" in graph and "2 stacked call(s)" in graph
+    final = compiled.history[-1].final_graph
+    assert "[4, 16, 32] = hocompile.newton_schulz" in final and "[4, 32, 16] = hocompile.newton_schulz" in final
+    assert "stack-calls: 4 calls per stack" in graph
+    assert all(torch.equal(a, b) for a, b in zip(plain, stacked))
+
+
+def test_a_stack_that_rounds_differently_or_is_not_faster_is_declined(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    _answer(monkeypatch, faster=True, bitwise=False)
+    _, compiled = _run(cache_dir / "a", steps=1)
+    assert "a stack of 4 rounds differently here" in hocompile.explain(compiled)
+    _answer(monkeypatch, faster=False, bitwise=True)
+    _, compiled = _run(cache_dir / "b", steps=1)
+    assert "a stack of 4 is not faster here" in hocompile.explain(compiled)
+
+
+def test_the_real_measurement_keeps_the_bits(cache_dir: Path) -> None:
+    """Unpatched: whatever this CPU answers, the step is bitwise the one without the pass."""
+    plain, _ = _run(cache_dir, disable_passes=("stack-calls",))
+    measured, compiled = _run(cache_dir)
+    assert "stack-calls" in hocompile.explain(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(plain, measured))
+
+
+def test_a_stamped_step_stacks_members_instead(cache_dir: Path) -> None:
+    params = _params()
+    compiled = hocompile.compile_optimizer(torch.optim.Muon(params, lr=0.02), cache_dir=cache_dir)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    compiled.step()
+    text = hocompile.explain(compiled)
+    assert "stack-members" in text and "stack-calls" not in text
+
+
+def test_the_backend_stacks_as_compile_optimizer_traced_whole(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    _answer(monkeypatch, faster=True, bitwise=True)
+    whole, _ = _run(cache_dir)
+    params = _params()
+    opt = torch.optim.Muon(params, lr=torch.tensor(0.02), weight_decay=0.1)
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend="hocompile", options={"cache_dir": cache_dir})
+    for k in range(3):
+        gen = torch.Generator().manual_seed(100 + k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        step()
+    torch._dynamo.reset()
+    assert "stack-calls         changed" in hocompile.explain_last(graph=False), hocompile.explain_last(graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(whole, params))
+
+
+def test_inductors_graphs_are_not_stacked(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """Inductor has no post-grad lowering for aten.stack: its graphs keep one call per matrix."""
+    asked = _answer(monkeypatch, faster=True, bitwise=True)
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.Muon(params, lr=torch.tensor(0.02))
+    pre, post = hocompile.inductor_passes(cache_dir=cache_dir)
+    patch = {"post_grad_custom_pre_pass": pre, "post_grad_custom_post_pass": post, "fx_graph_cache": False}
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(patch), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(opt.step)()
+    torch._dynamo.reset()
+    text = hocompile.explain_last(graph=False)
+    assert "newton_schulz" in text and "stack-calls" not in text and asked == [], text
