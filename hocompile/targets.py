@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import platform
 import time
 from dataclasses import dataclass, field, replace
@@ -102,7 +103,10 @@ def _cpu_id() -> str:
                     model += line
     except OSError:
         pass
-    text = f"{model}|{torch.__version__}|{torch.get_num_threads()}|{_CALIBRATION_VERSION}"
+    # oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA=AVX2 hides the bf16 units) changes every GEMM rate:
+    # measurements taken under it must not be read without it, nor the other way round.
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "") or os.environ.get("DNNL_MAX_CPU_ISA", "")
+    text = f"{model}|{torch.__version__}|{torch.get_num_threads()}|{_CALIBRATION_VERSION}|{isa}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -143,7 +143,8 @@ def step_pipeline(
         max_stack_bytes=settings.max_stack_bytes,
         dist_ownership=ownership_pass(settings),  # None unless distributed="replicated"
     )
-    if stack_calls and not triton and settings.distributed != Distributed.REPLICATED:
+    cpu_here = target.measured and target.name == "cpu"  # timed on this CPU: another target has nothing to time
+    if stack_calls and cpu_here and not triton and settings.distributed != Distributed.REPLICATED:
         # A step traced whole stacks its same-shaped NS calls where this CPU measures that faster
         # and bitwise (a stamped step stacks its classes' members instead: with_stack_members).
         pipeline = (*pipeline, StackCalls(target=target, max_batch=settings.max_batch or StackCalls.max_batch,
