@@ -1,7 +1,7 @@
 """stack-calls (hocompile/passes/stack_calls.py): a step traced whole stacks its same-shaped
 Newton–Schulz calls where this CPU measures that faster and bitwise one call per matrix.
 
-Whether stacking pays is a measurement; these tests fix its answer (``_measure`` patched) so the
+Whether stacking pays is a measurement; these tests fix its answer (``measure_stacking`` patched) so the
 rewrite itself is tested on every machine, and check the real measurement's bitwise claim
 against the step with the pass off.
 """
@@ -42,14 +42,14 @@ def _answer(monkeypatch: pytest.MonkeyPatch, faster: bool, bitwise: bool | None 
     """Fix the timing's answer; ``bitwise=None`` keeps the real bitwise check (a forced True would
     stack calls that round differently: only a structure test may do that)."""
     asked: list[list[int]] = []
-    real = stack_calls._measure
+    real = stack_calls.measure_stacking
 
     def measure(one: Any, stacked: Any, shape: Any, dtype: Any, sizes: list[int]) -> dict[str, Any]:
         asked.append(sizes)
         same = real(one, stacked, shape, dtype, sizes)["bitwise"] if bitwise is None else bitwise
         return {"loop_s": 1e-3, "stacked_s": 4e-4 if faster else 1e-3, "bitwise": same}
 
-    monkeypatch.setattr(stack_calls, "_measure", measure)
+    monkeypatch.setattr(stack_calls, "measure_stacking", measure)
     return asked
 
 

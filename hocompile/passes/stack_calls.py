@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,12 +46,9 @@ from ..registry import registered_calls
 from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
 from .batch_by_shape import _independent, stack_bytes_of
-from .measure_ns import intra_op_threads
-from .stack_members import MARGIN, MIN_MEMBERS, ROUNDS, _threads
+from .stack_members import MARGIN, MIN_MEMBERS, PlannedCall, _threads, measure_stacking, parse_stacking
 
 STACK_CALLS_VERSION = 1
-
-Tensors = list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -109,29 +105,15 @@ class StackCalls(Pass):
     def _decide(self, node: fx.Node, family: Any, sizes: list[int]) -> Decision:
         if not sizes:
             return Decision(self.name, {}, why="no stack of two or more")
-        spec = family.spec_of(node)
-        (name,) = spec.tensor_fields()
-        x = spec.node_of(name).meta["val"]
-        threads = _threads(node)
-        # Host scalars (eps) as the values the capture saw: what the op computes does not depend on them.
-        values = {f: v.meta["val"] for f in spec.field_names() if isinstance(v := getattr(spec, f), fx.Node)}
-        concrete = spec.replace(**values)
-
-        def one(xs: Tensors) -> Tensors:
-            with intra_op_threads(threads):
-                return [family.op(*concrete.replace(**{name: t}).to_args()) for t in xs]
-
-        def stacked(xs: Tensors) -> Tensors:  # as _stack rewrites the graph
-            with intra_op_threads(threads):
-                return list(family.op(*concrete.replace(**{name: torch.stack(xs)}).to_args()).unbind(0))
-
-        text = f"{STACK_CALLS_VERSION};{cpu_id()};{concrete.replace(**{name: None})!r};{tuple(x.shape)};{x.dtype}"
-        digest = hashlib.sha256(f"{text};{sizes};{threads}".encode()).hexdigest()[:24]
+        planned = PlannedCall.of(node, family)
+        x = planned.x
+        text = f"{STACK_CALLS_VERSION};{cpu_id()};{planned.without_input()!r};{tuple(x.shape)};{x.dtype}"
+        digest = hashlib.sha256(f"{text};{sizes};{planned.threads}".encode()).hexdigest()[:24]
         path = self.cache_dir / f"stack-calls-{digest}.json" if self.cache_dir is not None else None
-        found = read_json(path, _parse) if path is not None else None
+        found = read_json(path, parse_stacking) if path is not None else None
         if found is None:
             with _disable_current_modes(), torch.no_grad():  # real tensors, even under AOTAutograd's fake mode
-                found = _measure(one, stacked, tuple(x.shape), x.dtype, sizes)
+                found = measure_stacking(planned.one_by_one, planned.stacked, tuple(x.shape), x.dtype, sizes)
             if path is not None:
                 write_json(path, found)
         loop_s, stacked_s = found["loop_s"], found["stacked_s"]
@@ -174,31 +156,3 @@ def _stack(gm: fx.GraphModule, chunk: list[tuple[fx.Node, Any]], decision: Decis
             node.replace_all_uses_with(part)
     for node in nodes:
         graph.erase_node(node)
-
-
-def _parse(data: Any) -> dict[str, Any]:
-    return {"loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"])}
-
-
-def _measure(
-    one: Callable[[Tensors], Tensors], stacked: Callable[[Tensors], Tensors], shape: tuple[int, ...], dtype: Any,
-    sizes: list[int],
-) -> dict[str, Any]:
-    """Seconds per call one by one and in a stack of the largest size, and whether every size
-    the pass will use gives one-by-one's bits."""
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(max(sizes))]
-    same = all(all(torch.equal(a, b) for a, b in zip(one(xs[:m]), stacked(xs[:m]))) for m in sizes)
-    return {**_timings(one, stacked, xs), "bitwise": same}
-
-
-def _timings(one: Callable[[Tensors], Tensors], stacked: Callable[[Tensors], Tensors], xs: Tensors) -> dict[str, float]:
-    loop_s = stacked_s = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        one(xs)
-        loop_s = min(loop_s, (time.perf_counter() - start) / len(xs))
-        start = time.perf_counter()
-        stacked(xs)
-        stacked_s = min(stacked_s, (time.perf_counter() - start) / len(xs))
-    return {"loop_s": loop_s, "stacked_s": stacked_s}

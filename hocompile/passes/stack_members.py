@@ -95,24 +95,15 @@ class StackMembers(Pass):
         return PassResult(gm, True, with_declines(f"{made} call(s) stacked over their class's members", declined))
 
     def _decide(self, node: fx.Node, family: Any, k: int) -> Decision:
-        spec = family.spec_of(node)
-        (name,) = spec.tensor_fields()
-        x = spec.node_of(name).meta["val"]
-        threads = _threads(node)
-        # Host scalars (eps) as the values the capture saw: what the op computes does not depend on them.
-        values = {f: v.meta["val"] for f in spec.field_names() if isinstance(v := getattr(spec, f), fx.Node)}
-        concrete = spec.replace(**values)
-
-        def call(t: torch.Tensor) -> torch.Tensor:
-            with intra_op_threads(threads):
-                return family.op(*concrete.replace(**{name: t}).to_args())  # type: ignore[no-any-return]
-
-        text = f"{STACK_VERSION};{cpu_id()};{family.name};{concrete.replace(**{name: None})!r};{tuple(x.shape)}"
+        planned = PlannedCall.of(node, family)
+        x, threads = planned.x, planned.threads
+        text = f"{STACK_VERSION};{cpu_id()};{family.name};{planned.without_input()!r};{tuple(x.shape)}"
         key = hashlib.sha256(f"{text};{x.dtype};{k};{threads}".encode()).hexdigest()[:24]
         path = self.cache_dir / f"stack-{key}.json" if self.cache_dir is not None else None
-        found = read_json(path, _parse) if path is not None else None
+        found = read_json(path, parse_stacking) if path is not None else None
         if found is None:
-            found = _measure(call, tuple(x.shape), x.dtype, k)
+            found = measure_stacking(planned.one_by_one, planned.stacked, tuple(x.shape), x.dtype,
+                                     sorted({k, max(1, k // 2 + 1), 1}))
             if path is not None:
                 write_json(path, found)
         loop_s, stacked_s, same = found["loop_s"], found["stacked_s"], found["bitwise"]
@@ -129,10 +120,6 @@ class StackMembers(Pass):
         )
 
 
-def _parse(data: Any) -> dict[str, Any]:
-    return {"loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"])}
-
-
 def _owners(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
     """Each node reading exactly one member's inputs: that member (the representative of its class)."""
     deps: dict[fx.Node, frozenset[tuple[int, int]]] = {}
@@ -146,23 +133,62 @@ def _owners(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
     return {n: next(iter(d)) for n, d in deps.items() if len(d) == 1}
 
 
-def _measure(
-    call: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...], dtype: Any, k: int
+@dataclass(frozen=True)
+class PlannedCall:
+    """A Newton–Schulz call as its plan runs it (its spec with the host scalars the capture saw,
+    its intra-op threads), callable one matrix at a time or on a stack: what stack-members and
+    stack-calls time against each other."""
+
+    family: Any
+    spec: Any  # concrete: no fx.Node left but the tensor input, which each call replaces
+    name: str  # the tensor field
+    x: torch.Tensor  # the input's fake value (shape, dtype)
+    threads: int
+
+    @classmethod
+    def of(cls, node: fx.Node, family: Any) -> PlannedCall:
+        spec = family.spec_of(node)
+        (name,) = spec.tensor_fields()
+        # Host scalars (eps) as the values the capture saw: what the op computes does not depend on them.
+        values = {f: v.meta["val"] for f in spec.field_names() if isinstance(v := getattr(spec, f), fx.Node)}
+        return cls(family, spec.replace(**values), name, spec.node_of(name).meta["val"], _threads(node))
+
+    def without_input(self) -> Any:
+        return self.spec.replace(**{self.name: None})
+
+    def _call(self, t: torch.Tensor) -> torch.Tensor:
+        with intra_op_threads(self.threads):
+            return self.family.op(*self.spec.replace(**{self.name: t}).to_args())  # type: ignore[no-any-return]
+
+    def one_by_one(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self._call(t) for t in xs]
+
+    def stacked(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One call on the stack of ``xs`` (each as it is: a tall matrix stays tall), unbound."""
+        return list(self._call(torch.stack(xs)).unbind(0))
+
+
+def parse_stacking(data: Any) -> dict[str, Any]:
+    return {"loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"])}
+
+
+Calls = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def measure_stacking(
+    one: Calls, stacked: Calls, shape: tuple[int, ...], dtype: Any, sizes: list[int]
 ) -> dict[str, Any]:
-    """Per-member seconds one by one and in a stack of ``k``, and whether both give the same bits."""
+    """Seconds per matrix one call each and in one stack of the largest size (min of ROUNDS,
+    interleaved), and whether a stack of every size in ``sizes`` gives the one-by-one bits."""
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(k)]
-    same = all(
-        torch.equal(torch.stack([call(x) for x in xs[:m]]), call(torch.stack(xs[:m])))
-        for m in sorted({k, max(1, k // 2 + 1), 1})
-    )
+    xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(max(sizes))]
+    same = all(all(torch.equal(a, b) for a, b in zip(one(xs[:m]), stacked(xs[:m]))) for m in sizes)
     loop_s = stacked_s = float("inf")
     for _ in range(ROUNDS):
         start = time.perf_counter()
-        for x in xs:
-            call(x)
-        loop_s = min(loop_s, (time.perf_counter() - start) / k)
+        one(xs)
+        loop_s = min(loop_s, (time.perf_counter() - start) / len(xs))
         start = time.perf_counter()
-        call(torch.stack(xs)).unbind(0)
-        stacked_s = min(stacked_s, (time.perf_counter() - start) / k)
+        stacked(xs)
+        stacked_s = min(stacked_s, (time.perf_counter() - start) / len(xs))
     return {"loop_s": loop_s, "stacked_s": stacked_s, "bitwise": same}
