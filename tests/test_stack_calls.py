@@ -8,6 +8,7 @@ against the step with the pass off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def test_same_shaped_calls_stack(monkeypatch: pytest.MonkeyPatch, cache_dir: Pat
     the rounding of a batched GEMM of the unstacked step's."""
     plain, _ = _run(cache_dir, disable_passes=("stack-calls",))
     asked = _answer(monkeypatch, faster=True, bitwise=True)
-    stacked, compiled = _run(cache_dir / "fresh")
+    stacked, compiled = _run(cache_dir)  # the same dir: the plain run's measured plans, so the same plan
     assert sorted(asked) == [[4], [4]]  # one question per group: wide, tall; the square one stays alone
     graph = hocompile.explain(compiled)
     assert "stack-calls         changed" in graph and "2 stacked call(s)" in graph
@@ -74,20 +75,20 @@ def test_what_stacks_is_bitwise_the_unstacked_step(monkeypatch: pytest.MonkeyPat
     the same bits, declined naming it where not; either way the step is the unstacked one's."""
     plain, _ = _run(cache_dir, disable_passes=("stack-calls",))
     _answer(monkeypatch, faster=True)
-    stacked, compiled = _run(cache_dir / "fresh")
+    stacked, compiled = _run(cache_dir)  # the same dir: the plain run's measured plans, so the same plan
     text = hocompile.explain(compiled)
     assert "stacked call(s)" in text or "rounds differently here" in text, text
     assert all(torch.equal(a, b) for a, b in zip(plain, stacked))
 
 
 def test_a_stack_that_rounds_differently_or_is_not_faster_is_declined(
-    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+    monkeypatch: pytest.MonkeyPatch, new_cache_dir: Callable[..., Path], tmp_path: Path
 ) -> None:
     _answer(monkeypatch, faster=True, bitwise=False)
-    _, compiled = _run(cache_dir / "a", steps=1)
+    _, compiled = _run(new_cache_dir(tmp_path / "a"), steps=1)
     assert "a stack of 4 rounds differently here" in hocompile.explain(compiled)
     _answer(monkeypatch, faster=False, bitwise=True)
-    _, compiled = _run(cache_dir / "b", steps=1)
+    _, compiled = _run(new_cache_dir(tmp_path / "b"), steps=1)
     assert "a stack of 4 is not faster here" in hocompile.explain(compiled)
 
 
