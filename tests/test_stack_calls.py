@@ -18,6 +18,8 @@ import torch
 import hocompile
 from hocompile.passes import stack_calls
 
+from .helpers import zeropower_via_newtonschulz5
+
 SHAPES = [(16, 32), (32, 16)] * 4 + [(24, 24)]  # four wide, four tall, one alone
 
 
@@ -142,3 +144,44 @@ def test_inductors_graphs_are_not_stacked(monkeypatch: pytest.MonkeyPatch, cache
     torch._dynamo.reset()
     text = hocompile.explain_last(graph=False)
     assert "newton_schulz" in text and "stack-calls" not in text and asked == [], text
+
+
+class ChainedNS(torch.optim.Optimizer):
+    """Muon-like, except that one param's NS input reads another param's NS output."""
+
+    def __init__(self, params: Any, lr: float = 0.02, reads: dict[int, int] | None = None) -> None:
+        super().__init__(params, {"lr": lr})
+        self.reads = reads or {}
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        outs: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for k, p in enumerate(group["params"]):
+                g = p.grad if k not in self.reads else p.grad + outs[self.reads[k]]
+                outs.append(zeropower_via_newtonschulz5(g, 5).to(p.dtype))
+                p.add_(outs[-1], alpha=-group["lr"])
+
+
+def test_a_call_reading_another_stays_alone_and_the_stack_is_a_size_measured(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    """Six calls of one shape, the fifth reading the fourth's output: five stack (the size the
+    bitwise check ran at), the fifth stays alone (a stack reading its own output is a cycle)."""
+
+    def run(**options: Any) -> tuple[list[torch.Tensor], Any]:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(16, 32, generator=gen)) for _ in range(6)]
+        opt = hocompile.compile_optimizer(ChainedNS(params, reads={4: 3}), cache_dir=cache_dir, stamp=False, **options)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        return [p.detach().clone() for p in params], opt
+
+    plain, _ = run(disable_passes=("stack-calls",))
+    asked = _answer(monkeypatch, faster=True)
+    stacked, compiled = run()
+    assert asked == [[5]], asked
+    text = hocompile.explain(compiled)
+    assert "reads another call of its shape" in text, text
+    assert all(torch.equal(a, b) for a, b in zip(plain, stacked))

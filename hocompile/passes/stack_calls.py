@@ -45,7 +45,7 @@ from ..graph import stable_topological_sort
 from ..registry import registered_calls
 from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
-from .batch_by_shape import _independent, stack_bytes_of
+from .batch_by_shape import stack_bytes_of
 from .stack_members import MARGIN, MIN_MEMBERS, PlannedCall, _threads, measure_stacking, parse_stacking
 
 STACK_CALLS_VERSION = 1
@@ -74,9 +74,19 @@ class StackCalls(Pass):
             orientation = bool(family.batch.transposed(spec))
             groups.setdefault((key, tuple(val.shape), orientation, _threads(node)), []).append((node, family))
         made, declined = 0, []
-        for members in groups.values():
+        for group in groups.values():
+            if len(group) < MIN_MEMBERS:
+                declined.append(f"{group[0][0].name}: {len(group)} call(s) of its shape")
+                continue
+            # A call that reads another of its group stays alone, whichever stack that one is in (a
+            # stack reading its own output, or two stacks reading each other's, is a cycle). Asked of
+            # the graph as the earlier groups' stacks left it, before the sizes are chosen: every
+            # stack is one of the sizes measured bitwise.
+            dependent = _reading_another(gm.graph, {node for node, _ in group})
+            declined += [f"{n.name}: reads another call of its shape" for n in dependent]
+            members = [(node, family) for node, family in group if node not in dependent]
             if len(members) < MIN_MEMBERS:
-                declined.append(f"{members[0][0].name}: {len(members)} call(s) of its shape")
+                declined.append(f"{group[0][0].name}: {len(members)} call(s) of its shape to stack")
                 continue
             rule = members[0][1].batch
             assert rule is not None
@@ -88,11 +98,8 @@ class StackCalls(Pass):
                 declined.append(f"{members[0][0].name}: {decision.why}")
                 continue
             for chunk in chunks:
-                specs = [(node, family.spec_of(node)) for node, family in chunk]
-                kept, dependent = _independent(specs)
-                declined += [f"{n.name}: reads another call of its stack" for n in dependent]
-                if len(kept) > 1:
-                    _stack(gm, kept, decision)
+                if len(chunk) > 1:
+                    _stack(gm, [(node, family.spec_of(node)) for node, family in chunk], decision)
                     made += 1
         if not made:
             reason = declined[0] if declined else "no Newton–Schulz calls of one shape to stack"
@@ -129,6 +136,25 @@ class StackCalls(Pass):
             self.name, {"stack": k}, f"{k} calls per stack", stacked_s, alternatives=(one_by_one,),
             why=f"measured here ({each}), bitwise one call per matrix ({dtypes.name(x.dtype)}{list(x.shape)})",
         )
+
+
+def _reading_another(graph: fx.Graph, members: set[fx.Node]) -> set[fx.Node]:
+    """The members that read another member, directly or through any chain of nodes: one walk
+    over the graph per group (memoised), not one per member (a step whose calls all read a global
+    grad norm would make that quadratic in the number of params)."""
+    reaches: dict[fx.Node, bool] = {}  # node -> some member is among its inputs' ancestors (or them)
+    for root in graph.nodes:  # iterative post-order: the order of graph.nodes need not be topological
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in reaches:
+                continue
+            if expanded:
+                reaches[node] = any(a in members or reaches[a] for a in node.all_input_nodes)
+                continue
+            stack.append((node, True))
+            stack += [(a, False) for a in node.all_input_nodes if a not in reaches]
+    return {m for m in members if any(a in members or reaches[a] for a in m.all_input_nodes)}
 
 
 def _stack(gm: fx.GraphModule, chunk: list[tuple[fx.Node, Any]], decision: Decision) -> None:
