@@ -22,6 +22,7 @@ from .host_scalars import CaptureError
 from .runtime import CompiledOptimizer, UnsupportedParameterError
 from .runtime.compiled_optimizer import LinAlgFallbackWarning, RecompileLimitWarning
 from .runtime.explain import explain
+from .runtime.judgement import Verdict, judge_step
 from .runtime.plan import plan
 from .runtime.verify import VerificationError
 from .settings import Backend, Distributed, Fallback, Precision, Settings
@@ -210,10 +211,12 @@ __all__ = [
     "Settings",
     "Target",
     "UnsupportedParameterError",
+    "Verdict",
     "VerificationError",
     "compile_optimizer",
     "explain",
     "explain_last",
     "inductor_passes",
+    "judge_step",
     "plan",
 ]

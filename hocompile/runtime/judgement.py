@@ -1,0 +1,422 @@
+"""One judgement for "is this compiled step right?": held against eager's own spread, not rounding luck.
+
+A tolerance against eager judges nothing on a step that eager itself cannot
+repeat: emerging-optimizers' SOAP moves its update by 0.97 of a step when the
+factor handed to ``eigh`` moves by 1e-7 (16×24, eps 1e-3: rounding picks the
+eigenbasis of the wider factor's null space), and at eps 1e-8 by 1.17× when the
+gradients move by 1e-7. A compiled step that sums in another order (Triton's
+dots, another BLAS kernel) lands anywhere in that spread. So the judgement asks
+what eager does at *this* point, from the very same starting state:
+
+- **Exact** tensors (where the plan keeps eager's arithmetic): bitwise, NaNs
+  where eager has them. Nothing else is asked of them.
+- **The others**: the candidate's distance from eager, ``‖c − e‖``, against
+  eager's own spread: eager re-run ``probes`` times under :class:`Rounding`,
+  which perturbs the result of every summing op (GEMMs, sums, norms) by a
+  couple of units in the last place, as another summation order would. The
+  bound is ``SPREAD_FACTOR · spread + FLOOR · ‖update‖ + 2u‖e‖``, so a
+  well-conditioned step (spread ~1e-7 of the update) is held to rounding and
+  an ill-conditioned one only as far as eager cannot tell itself apart.
+- **Boundaries**: the ill-conditioned outputs of ``eigh``/``qr``/``svd`` are
+  where the spread comes from, and what follows them is usually well
+  conditioned. So the candidate's decompositions are recorded
+  (:class:`Boundaries`, main-thread ``torch.linalg`` calls) and, when every
+  decomposition eager makes finds a recorded one on a matching input, eager
+  and its probes run with the candidate's outputs substituted. The spread
+  then measures what follows the boundaries, and a wrong sign, scale or term
+  there shows. All or nothing: one unmatched call and no output is
+  substituted, since a half-substituted reference would be tighter than the
+  step allows. Decompositions inside hocompile's fused linear-algebra ops run
+  on worker threads and are not recorded yet: there the judgement falls back
+  to eager's spread through the decompositions (looser, never wrong).
+
+What it cannot do: catch an error smaller than eager's own spread. The
+verdict reports that spread, so "passed at 0.9 of the update" reads as what it
+is. References run op by op (``torch.compiler`` stance ``force_eager``), so
+an optimizer's ``torch.compile``'d helpers are judged by their Python code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..capture import unwrapped_step
+
+aten = torch.ops.aten
+
+SPREAD_FACTOR = 4.0  # the candidate may sit this far beyond the farthest probe
+FLOOR = 1e-5  # ‖update‖ share always allowed: fp32 rounding of an update computed another way
+PROBES = 3
+PROBE_ULPS = 2.0  # each summing op's result moves by up to this many units in the last place
+MATCH_TOLERANCE = 1e-3  # relative distance at which a decomposition's input is "the same call"
+
+# Ops whose result depends on the order of a sum: what another kernel or BLAS changes.
+_SUMMING = {
+    aten.mm, aten.bmm, aten.addmm, aten.addmm_, aten.baddbmm, aten.baddbmm_, aten.addbmm, aten.addbmm_,
+    aten.mv, aten.addmv, aten.addmv_, aten.dot, aten.vdot, aten.sum, aten.mean, aten.linalg_vector_norm,
+    aten.norm, aten._foreach_norm, aten.var, aten.std, aten.var_mean, aten.std_mean, aten.cumsum,
+}
+
+
+# ------------------------------------------------------------------ probes
+
+
+class Rounding(TorchDispatchMode):
+    """Every summing op's floating result moved by up to ``ulps`` units in the last place (seeded).
+
+    The noise is relative to ``|x| + mean|x|``: a sum that cancels is off by
+    its terms' rounding, not its own, so small entries move as large ones do.
+    """
+
+    def __init__(self, seed: int, ulps: float = PROBE_ULPS) -> None:
+        super().__init__()
+        self.seed, self.ulps = seed, ulps
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _noise(self, x: torch.Tensor) -> torch.Tensor:
+        gen = self._generators.get(x.device)
+        if gen is None:
+            gen = self._generators[x.device] = torch.Generator(device=x.device).manual_seed(self.seed)
+        xi = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) * 2 - 1
+        mag = x.detach().float().abs()
+        unit = float(torch.finfo(x.dtype).eps) / 2
+        return (xi * (mag + mag.mean()) * (unit * self.ulps)).to(x.dtype)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket not in _SUMMING:
+            return out
+        with torch.no_grad():
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
+                    leaf.add_(self._noise(leaf))
+        return out
+
+
+# ------------------------------------------------------------------ boundaries
+
+
+def _decompositions() -> dict[Any, str]:
+    """Callables whose outputs are ill-conditioned (bases of degenerate spaces, signs), by kind."""
+    return {
+        torch.linalg.eigh: "eigh", aten._linalg_eigh.default: "eigh",
+        torch.linalg.qr: "qr", aten.linalg_qr.default: "qr",
+        torch.linalg.svd: "svd", aten._linalg_svd.default: "svd", torch.svd: "svd-v",
+    }
+
+
+@dataclass
+class _Call:
+    kind: str
+    options: str
+    inputs: torch.Tensor  # [B, m, n]: one entry per matrix of the call
+    outputs: list[torch.Tensor]  # each [B, ...]
+
+
+@dataclass
+class Boundaries(TorchFunctionMode):
+    """Records the decompositions a step makes, or hands out recorded outputs (``substitute``).
+
+    Matching is by kind, options and the nearest input (relative Frobenius
+    distance ≤ ``MATCH_TOLERANCE``), matrix by matrix, so a stacked call in
+    the candidate answers a loop of calls in eager and the other way round.
+    """
+
+    recorded: list[_Call] = field(default_factory=list)
+    substitute: bool = False
+    matched: int = 0
+    unmatched: list[str] = field(default_factory=list)
+    worst_input: float = 0.0  # largest relative input distance of a substituted match
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self._kinds = _decompositions()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = self._kinds.get(func)
+        out = func(*args, **kwargs)
+        if kind is None or not args or not isinstance(args[0], torch.Tensor) or _is_traced(args[0]):
+            return out
+        x: torch.Tensor = args[0]
+        options = repr((args[1:], sorted(kwargs.items())))
+        batch = x.shape[:-2]
+        leaves, spec = pytree.tree_flatten(out)
+        flat_in = x.detach().reshape(-1, *x.shape[-2:])
+        flat_out = [leaf.detach().reshape(-1, *leaf.shape[len(batch):]) for leaf in leaves]
+        if not self.substitute:
+            self.recorded.append(_Call(kind, options, flat_in.clone(), [o.clone() for o in flat_out]))
+            return out
+        chosen = [self._find(kind, options, flat_in[b]) for b in range(flat_in.shape[0])]
+        if any(c is None for c in chosen):
+            self.unmatched.append(f"{kind} of {tuple(x.shape)}")
+            return out
+        self.matched += len(chosen)
+        new = [
+            torch.stack([call.outputs[j][k] for call, k in chosen]).to(leaf.dtype).reshape(leaf.shape)  # type: ignore[misc]
+            for j, leaf in enumerate(leaves)
+        ]
+        return pytree.tree_unflatten(new, spec)
+
+    def _find(self, kind: str, options: str, a: torch.Tensor) -> tuple[_Call, int] | None:
+        best: tuple[float, _Call, int] | None = None
+        scale = max(float(a.double().norm()), 1e-300)
+        for call in self.recorded:
+            if call.kind != kind or call.options != options or call.inputs.shape[1:] != a.shape:
+                continue
+            dist = (call.inputs.double() - a.double().to(call.inputs.device)).flatten(1).norm(dim=1) / scale
+            k = int(dist.argmin())
+            if best is None or float(dist[k]) < best[0]:
+                best = (float(dist[k]), call, k)
+        if best is None or best[0] > MATCH_TOLERANCE:
+            return None
+        self.worst_input = max(self.worst_input, best[0])
+        return best[1], best[2]
+
+
+def _is_traced(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x) or type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)
+
+
+# ------------------------------------------------------------------ the verdict
+
+
+@dataclass(frozen=True)
+class TensorVerdict:
+    """One tensor: ``error`` and ``spread`` as shares of its update (‖e − t0‖, or ‖e‖ where that is 0)."""
+
+    name: str
+    exact: bool
+    error: float
+    spread: float
+    bound: float
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judgement of one step: per tensor, and whether eager ran with the candidate's boundaries."""
+
+    tensors: tuple[TensorVerdict, ...]
+    substituted: int  # decomposition outputs (per matrix) eager ran with from the candidate
+    unmatched: tuple[str, ...]  # eager's decompositions no recorded one matched (then none substituted)
+    probes: int
+
+    @property
+    def passed(self) -> bool:
+        return not any(t.problem for t in self.tensors)
+
+    @property
+    def failures(self) -> tuple[TensorVerdict, ...]:
+        return tuple(t for t in self.tensors if t.problem)
+
+    @property
+    def worst(self) -> TensorVerdict | None:
+        """The tensor closest to (or furthest past) its bound."""
+        judged = [t for t in self.tensors if not t.exact]
+        if not judged:
+            return None
+        return max(judged, key=lambda t: t.error / t.bound if t.bound > 0 else math.inf * (t.error > 0))
+
+    def describe(self) -> str:
+        exact = sum(t.exact for t in self.tensors)
+        head = f"{'passed' if self.passed else 'FAILED'}: {exact} tensor(s) bitwise"
+        worst = self.worst
+        if worst is not None:
+            head += (
+                f", {len(self.tensors) - exact} against eager's spread (worst {worst.name}: "
+                f"{worst.error:.2g} of its update, eager's spread {worst.spread:.2g}, bound {worst.bound:.2g})"
+            )
+        if self.substituted:
+            head += f"; eager ran with the step's {self.substituted} decomposition output(s)"
+        elif self.unmatched:
+            head += f"; decompositions not substituted ({self.unmatched[0]} unmatched)"
+        return "\n".join([head] + [f"  {t.name}: {t.problem}" for t in self.failures])
+
+
+def judge(
+    candidate: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    probes: list[dict[str, torch.Tensor]],
+    before: dict[str, torch.Tensor],
+    exact: Callable[[str], bool] = lambda name: False,
+) -> list[TensorVerdict]:
+    """Per tensor: ``candidate`` against ``reference`` and the spread of ``probes`` around it."""
+    out: list[TensorVerdict] = []
+    for name, want in reference.items():
+        got = candidate.get(name)
+        if got is None or got.shape != want.shape or got.dtype != want.dtype:
+            what = "missing" if got is None else f"{got.dtype} {tuple(got.shape)}"
+            out.append(TensorVerdict(name, False, math.inf, 0.0, 0.0, f"is {what}, eager's {want.dtype} "
+                                     f"{tuple(want.shape)}"))
+            continue
+        if exact(name) or not want.is_floating_point():
+            same = torch.equal(got, want) or bool(((got == want) | (got.isnan() & want.isnan())).all())
+            out.append(TensorVerdict(name, True, 0.0 if same else math.inf, 0.0, 0.0,
+                                     "" if same else "differs where eager's arithmetic is kept (bound: bitwise)"))
+            continue
+        out.append(_judge_tensor(name, got, want, [p[name] for p in probes], before.get(name)))
+    return out
+
+
+def _judge_tensor(
+    name: str, got: torch.Tensor, want: torch.Tensor, probes: list[torch.Tensor], t0: torch.Tensor | None
+) -> TensorVerdict:
+    c, e = got.detach().double(), want.detach().double()
+    if not torch.equal(c.isfinite(), e.isfinite()):
+        return TensorVerdict(name, False, math.inf, 0.0, 0.0, "non-finite where eager's is finite (or the reverse)")
+    finite = e.isfinite()
+    c, e = torch.where(finite, c, 0.0), torch.where(finite, e, 0.0)
+    start = torch.zeros_like(e) if t0 is None else torch.where(finite, t0.detach().double().to(e.device), 0.0)
+    update = float((e - start).norm())
+    scale = update if update > 0 else max(float(e.norm()), 1e-300)
+    spread = max((float((torch.where(finite, p.double(), 0.0) - e).norm()) for p in probes), default=0.0)
+    unit = float(torch.finfo(want.dtype).eps) / 2
+    bound = SPREAD_FACTOR * spread + FLOOR * update + 2 * unit * float(e.norm())
+    error = float((c - e).norm())
+    problem = ""
+    if error > bound:
+        problem = (f"{error / scale:.3g} of its update from eager's, beyond {bound / scale:.3g} "
+                   f"({SPREAD_FACTOR:g}× eager's own spread {spread / scale:.3g} + {FLOOR:g})")
+    return TensorVerdict(name, False, error / scale, spread / scale, bound / scale, problem)
+
+
+# ------------------------------------------------------------------ an optimizer's step
+
+
+def step_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor a step may change, by name: params, group entries, state entries (containers' leaves)."""
+    out: dict[str, torch.Tensor] = {}
+    for g, group in enumerate(opt.param_groups):
+        for key, value in group.items():
+            if key != "params" and isinstance(value, torch.Tensor):
+                out[f"g{g}.{key}"] = value
+        for i, p in enumerate(group["params"]):
+            out[f"g{g}.p{i}"] = p
+            for key, value in opt.state.get(p, {}).items():
+                leaves, _ = pytree.tree_flatten(value)
+                for j, leaf in enumerate(leaves):
+                    if isinstance(leaf, torch.Tensor):
+                        out[f"g{g}.p{i}.{key}" + (f"[{j}]" if len(leaves) > 1 else "")] = leaf
+    return out
+
+
+def _clones(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+class _Snapshot:
+    """The optimizer's params (grads attached), groups, state and attributes, to run eager from again."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.payload = copy.deepcopy(
+            ([dict(g) for g in opt.param_groups], [[opt.state.get(p) for p in g["params"]] for g in opt.param_groups])
+        )
+        # deepcopy drops .grad: kept beside, attached to each run's fresh params.
+        self.grads = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
+                      for g in opt.param_groups]
+        self.attrs = {k: _copied(v) for k, v in vars(opt).items() if k not in ("param_groups", "state", "defaults")}
+
+    @contextmanager
+    def installed(self, opt: torch.optim.Optimizer) -> Iterator[None]:
+        groups, states = copy.deepcopy(self.payload)
+        attrs = {k: _copied(v) for k, v in self.attrs.items()}
+        saved_groups = [dict(g) for g in opt.param_groups]
+        saved_state, saved_attrs = opt.state, dict(vars(opt))
+        try:
+            state: dict[torch.Tensor, Any] = {}
+            for group, fresh, fresh_states, grads in zip(opt.param_groups, groups, states, self.grads):
+                for p, grad in zip(fresh["params"], grads):
+                    p.grad = None if grad is None else grad.clone()
+                group.clear()
+                group.update(fresh)
+                state.update({p: s for p, s in zip(fresh["params"], fresh_states) if s is not None})
+            opt.state = defaultdict(dict, state)
+            for key, value in attrs.items():
+                setattr(opt, key, value)
+            yield
+        finally:
+            opt.state = saved_state
+            for group, saved in zip(opt.param_groups, saved_groups):
+                group.clear()
+                group.update(saved)
+            for key in set(vars(opt)) - set(saved_attrs):
+                delattr(opt, key)
+            for key, value in saved_attrs.items():
+                if vars(opt).get(key) is not value:
+                    setattr(opt, key, value)
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy where Python can make one (counters, lists, configs); the object itself where not (locks, groups)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an attribute a step cannot change in place keeps its identity
+        return value
+
+
+def _eager(opt: torch.optim.Optimizer, snap: _Snapshot, modes: list[Any]) -> dict[str, torch.Tensor]:
+    with snap.installed(opt), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        for mode in modes:
+            mode.__enter__()
+        try:
+            unwrapped_step(opt)(opt)
+        finally:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+        return _clones(step_tensors(opt))
+
+
+def judge_step(
+    optimizer: torch.optim.Optimizer,
+    candidate: Callable[[], Any],
+    *,
+    exact: bool | Callable[[str], bool] = False,
+    probes: int = PROBES,
+    boundaries: bool = True,
+) -> Verdict:
+    """Run ``candidate()`` — a step of ``optimizer``'s params and state in place, such as a compiled
+    optimizer's ``step`` — and judge it against ``optimizer``'s own eager step from the same state.
+
+    ``exact``: True (or a predicate over tensor names) where the plan keeps eager's arithmetic: those
+    tensors must be bitwise eager's. ``boundaries``: record the candidate's decompositions and run eager
+    with them where every one matches (module docstring). The optimizer keeps the candidate's result.
+    """
+    before = _clones(step_tensors(optimizer))
+    snap = _Snapshot(optimizer)
+    recorder = Boundaries()
+    if boundaries:
+        with recorder:
+            candidate()
+    else:
+        candidate()
+    got = _clones(step_tensors(optimizer))
+    sub = Boundaries(recorder.recorded, substitute=True) if recorder.recorded else None
+    reference = _eager(optimizer, snap, [sub] if sub else [])
+    if sub is not None and sub.unmatched:  # all or nothing
+        unmatched, sub = tuple(sub.unmatched), None
+        reference = _eager(optimizer, snap, [])
+    else:
+        unmatched = ()
+    runs = []
+    for k in range(probes):
+        modes: list[Any] = [Rounding(seed=1 + k)]
+        if sub is not None:
+            modes.insert(0, Boundaries(recorder.recorded, substitute=True))
+        runs.append(_eager(optimizer, snap, modes))
+    is_exact = exact if callable(exact) else (lambda name: bool(exact))
+    tensors = judge(got, reference, runs, before, is_exact)
+    return Verdict(tuple(tensors), sub.matched if sub is not None else 0, unmatched, probes)
