@@ -46,8 +46,11 @@ def lift_scalars(
     last_input = [n for n in nodes_a if n.op == "placeholder"][-1]
 
     def lift(node: fx.Node, a: Any, b: Any) -> Any:
-        if not isinstance(a, float) or isinstance(a, bool) or _same(a, b):
+        if not isinstance(a, float) or isinstance(a, bool):
             return a
+        if _same(a, b):
+            expr = _nudged_in_both(a, b)
+            return a if expr is None else placeholder(expr)
         in_b = set(tb.by_payload.get(b, []))  # once, not per candidate: thousands of payloads share a value
         common = [e for e in ta.by_payload.get(a, []) if e in in_b]
         if not common:
@@ -56,7 +59,21 @@ def lift_scalars(
                 "outside what hocompile can follow (e.g. math.sqrt(lr) or float(...) on it); "
                 "write the arithmetic with Python operators or mark the key structural"
             )
-        expr = common[0]
+        return placeholder(common[0])
+
+    def _nudged_in_both(a: float, b: float) -> Expr | None:
+        """The tracked expression behind a constant that is equal in both traces, if it carries the
+        traces' sentinel nudges: they cancel in a ratio of two inputs (``lr / read0``: each input's
+        nudge moves by the same factor between traces), so ``1 - lr / r * 0.01`` came out the same
+        double twice and was baked in. A payload equal to its expression's real value is a natural
+        number (a counter, a constant): that one stays a constant."""
+        in_b = set(tb.by_payload.get(b, []))
+        for e in ta.by_payload.get(a, []):
+            if e in in_b and e.inputs() and ta.real_value(e) != a and tb.real_value(e) != b:
+                return e
+        return None
+
+    def placeholder(expr: Expr) -> fx.Node:
         if expr not in placeholders:
             with gm.graph.inserting_after(last_input if not placeholders else list(placeholders.values())[-1]):
                 ph = gm.graph.placeholder(f"h{len(exprs)}")
@@ -71,7 +88,7 @@ def lift_scalars(
             continue
         flat_a, spec = pytree.tree_flatten((na.args, na.kwargs))
         flat_b, _ = pytree.tree_flatten((nb.args, nb.kwargs))
-        if any(isinstance(a, float) and not _same(a, b) for a, b in zip(flat_a, flat_b)):
+        if any(isinstance(a, float) and (not _same(a, b) or a in ta.by_payload) for a, b in zip(flat_a, flat_b)):
             new = [lift(na, a, b) for a, b in zip(flat_a, flat_b)]
             na.args, na.kwargs = pytree.tree_unflatten(new, spec)
     for name in _tensor_constant_names(gm):
