@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import stand_ins
 from .capture_containers import ContainerTrace, TreeWrite, container_attributes, leaf_aliases
 from .capture_slots import (
     TraceView,
@@ -204,6 +205,7 @@ def _trace(
         changes: list[Change] = []
         attr_assigns: list[InputSlot] = []
         attr_values: list[torch.Tensor] = []
+        param_attrs: dict[tuple[int, int], tuple[torch.Tensor, dict[str, Any]]] = {}
         try:
             for g, group in enumerate(groups):
                 original = group["params"]
@@ -216,6 +218,8 @@ def _trace(
                         continue
                     fp = by_slot[slot]
                     fp.grad = by_slot[InputSlot("grad", g, i)]
+                    mode.stand_ins[id(fp)] = p  # requires_grad, is_leaf: the real param's (stand_ins.py)
+                    param_attrs[(g, i)] = (fp, stand_ins.install(fp, p, f"param_groups[{g}]['params'][{i}]"))
                     params[k] = fp
                     fakes[(g, i)] = fp
                     entry = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result, boxes)
@@ -229,6 +233,8 @@ def _trace(
             helpers = opaque_compiled_helpers(opt, step) if opaque else contextlib.nullcontext()
             with mode, helpers:  # (torch.compile'd helpers as opaque ops: compiled_helpers.py)
                 step(opt)
+            for (g, i), (fp, attrs) in param_attrs.items():
+                stand_ins.check_unchanged(fp, attrs, f"param_groups[{g}]['params'][{i}]")
         finally:
             opt.state = saved_state
             boxed = {

@@ -38,6 +38,7 @@ from .scalars import (  # noqa: F401  (user_line: re-exported, capture_errors im
     sentinel,
     user_line,
 )
+from .stand_ins import real_flag
 
 __all__ = ["CaptureError", "HostScalarMode", "is_hyperparameter"]
 
@@ -103,6 +104,8 @@ class HostScalarMode(TorchFunctionMode):
         # Evaluates a tensor the step reads on the host that is not a counter (host_reads.py):
         # (its host input's name, its real value); None: such a read is refused.
         self.reader: Callable[[torch.Tensor, str], tuple[str, Any]] | None = None
+        # id(traced param) -> the real param: what a step reads of a param is the real one's (stand_ins.py)
+        self.stand_ins: dict[int, torch.Tensor] = {}
 
     def __enter__(self) -> HostScalarMode:
         # math.sqrt(x) of a float subclass reads its payload and returns a plain
@@ -133,6 +136,10 @@ class HostScalarMode(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self.stand_ins:
+            answered, value = real_flag(func, args, self.stand_ins)
+            if answered:
+                return value
         if func is torch.Tensor.square_ and not kwargs:
             # functionalize cannot trace aten::square_ (it reports an alias annotation); ATen
             # computes it as pow_(2) (bitwise the same, tests/test_host_reads.py checks)

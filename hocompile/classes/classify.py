@@ -2,7 +2,8 @@
 
 Two params of one group are in the same class when everything the traced
 program could depend on is equal for them: the param's and the grad's type,
-shape, strides, dtype, device, layout and ``requires_grad``, and the state's
+shape, strides, dtype, device, layout and ``requires_grad``, the param's Python
+attributes (stand_ins.py), and the state's
 keys with, per key, the same for a tensor or the value itself for a Python
 object (a number the step rewrites is a host input, so its value is left
 out: members of one class may be at different step counts). Values the step
@@ -23,6 +24,7 @@ import torch
 
 from .. import dtypes
 from ..host_state import HostSlot
+from ..stand_ins import frozen_attributes
 
 Layout = tuple[Any, ...]
 
@@ -74,7 +76,7 @@ def param_key(
         masked = not isinstance(value, torch.Tensor) and HostSlot("state", key, g, i) in lifted
         entries.append((key, _HOST if masked else _value_key(value)))
     assert p.grad is not None
-    return (g, _layout(p), _layout(p.grad), tuple(entries))
+    return (g, _layout(p), _layout(p.grad), tuple(entries), frozen_attributes(p))
 
 
 def _title(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:

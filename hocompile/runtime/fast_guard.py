@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..host_state import HostSlot
+from ..stand_ins import frozen_attributes
 from .guards import Signature, attributes, group_options, state_value
 
 TensorGuards: Any
@@ -81,6 +82,9 @@ class FastGuard:
         # state the signature holds by value (key, index, frozen value).
         self.has_grad = [tuple(p.grad is not None for p in g.params) for g in sig.groups]
         self.keys = [tuple(tuple(k for k, _ in p.state) for p in g.params) for g in sig.groups]
+        # Params' Python attributes (stand_ins.py; requires_grad is in the tensor check): per param, the
+        # frozen attributes, or None where it had none (then one dict truthiness test per step).
+        self.attrs = [tuple(p.attributes or None for p in g.params) for g in sig.groups]
         self.values = [
             [(k, i, v) for i, p in enumerate(g.params) for k, v in p.state if not _is_tensor_sig(v)]
             for g in sig.groups
@@ -112,13 +116,15 @@ class FastGuard:
             if tuple(map(id, params)) != ids:
                 return None
         dicts = self._state_dicts(opt)
-        for g, (group, has_grad, keys) in enumerate(zip(groups, self.has_grad, self.keys)):
+        for g, (group, has_grad, keys, attrs) in enumerate(zip(groups, self.has_grad, self.keys, self.attrs)):
             params = group["params"]
             grads = list(map(_grad, params))
             if [grad is not None for grad in grads] != list(has_grad):
                 return None
-            for p, grad, d, k in zip(params, grads, dicts[g], keys):
+            for p, grad, d, k, a in zip(params, grads, dicts[g], keys, attrs):
                 if len(d) != len(k):
+                    return None
+                if (a is not None or p.__dict__) and frozen_attributes(p) != (a or ()):
                     return None
                 out.append(p)
                 if grad is not None:

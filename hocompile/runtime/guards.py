@@ -19,6 +19,7 @@ from ..capture_containers import container_attributes
 from ..containers import flatten, holds_tensors
 from ..host_scalars import is_hyperparameter
 from ..host_state import HostSlot
+from ..stand_ins import frozen_attributes
 
 TensorSig = tuple[tuple[int, ...], torch.dtype, torch.device, torch.layout]
 
@@ -29,6 +30,10 @@ class ParamSig:
     param: TensorSig
     grad: TensorSig | None
     state: tuple[tuple[str, Any], ...]  # (key, TensorSig or frozen Python value)
+    # What the step may read of the param besides its data (stand_ins.py): requires_grad and its
+    # Python attributes (Megatron's is_qkv, partition_dim, ...), each a branch of the traced program.
+    requires_grad: bool = True
+    attributes: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,9 @@ def signature(
             state = opt.state.get(p, {})
             frozen = ((k, state_value(k, g, i, v, lifted, coarse)) for k, v in state.items())
             grad_sig = None if grad is None else _tensor_sig(grad)
-            params.append(ParamSig(id(p), _tensor_sig(p), grad_sig, tuple(sorted(frozen))))
+            params.append(
+                ParamSig(id(p), _tensor_sig(p), grad_sig, tuple(sorted(frozen)), p.requires_grad, frozen_attributes(p))
+            )
         groups.append(GroupSig(group_options(g, group, structural, lifted, coarse), tuple(params)))
     return Signature(attributes(opt, lifted, coarse), tuple(groups))
 
@@ -170,6 +177,12 @@ def describe_change(old: Signature, new: Signature) -> str:
                 return f"{where}.grad " + ("became None" if pb.grad is None else "is no longer None")
             if pa.grad != pb.grad:
                 return f"{where}.grad changed {_show_t(pa.grad)} -> {_show_t(pb.grad)}"
+            if pa.requires_grad != pb.requires_grad:
+                return f"{where}.requires_grad changed {pa.requires_grad} -> {pb.requires_grad}"
+            if pa.attributes != pb.attributes:
+                da, db = dict(pa.attributes), dict(pb.attributes)
+                key = next(k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k))
+                return f"{where}.{key} changed {_show_attribute(da.get(key))} -> {_show_attribute(db.get(key))}"
             if pa.state != pb.state:
                 ka, kb = {k for k, _ in pa.state}, {k for k, _ in pb.state}
                 if ka != kb:
@@ -191,6 +204,12 @@ def _show(value: Any) -> str:
     if isinstance(value, tuple) and value == _HOST:
         return "a number the step updates"
     return repr(value)
+
+
+def _show_attribute(frozen: Any) -> str:
+    if frozen is None:
+        return "(not set)"
+    return repr(frozen[1]) if isinstance(frozen, tuple) and len(frozen) == 2 else repr(frozen)
 
 
 def _show_container(frozen: Any) -> str:

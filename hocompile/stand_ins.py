@@ -1,0 +1,142 @@
+"""The traced stand-ins are the params: what a step can read of a param, the stand-in answers as the real one.
+
+A step decides on what it reads of its params: ``if not p.requires_grad: continue``,
+Megatron's ``p.is_qkv`` (split QKV before Newton–Schulz), ``p.partition_dim``, ``p.expert_tp``.
+A fake tensor made for tracing answers ``requires_grad=False`` and has no Python attributes, so
+such a step traced with it compiled to nothing, or to the branch a plain tensor takes, silently.
+
+So while tracing:
+
+- ``requires_grad`` and ``is_leaf`` read on a stand-in return the real param's
+  (HostScalarMode asks :func:`real_flag`);
+- every Python attribute of the real param (its ``__dict__``) is set on the stand-in; a
+  tensor-valued one (``main_grad``) is not modelled as a traced input, so it is an
+  :class:`Unmodelled` that refuses any use, naming the attribute and the line;
+- an attribute the step sets or changes on a param is refused too: the compiled step keeps
+  no state on params (keep it in ``state``).
+
+Both flags and the attributes are part of the step's signature (guards.py, fast_guard.py)
+and of the parameter class (classes/classify.py): another value recompiles, and two params
+that differ in them never share a stamped program.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from .scalars import CaptureError, user_line
+
+FLAGS = ("requires_grad", "is_leaf")
+_GETTERS = {getattr(torch._C.TensorBase, name): name for name in FLAGS}
+
+
+def real_flag(func: Any, args: tuple[Any, ...], stand_ins: dict[int, torch.Tensor]) -> tuple[bool, Any]:
+    """(True, the real param's value) when ``func`` reads ``requires_grad``/``is_leaf`` of a stand-in."""
+    name = _GETTERS.get(getattr(func, "__self__", None))
+    if name is None or not args or id(args[0]) not in stand_ins:
+        return False, None
+    return True, getattr(stand_ins[id(args[0])], name)
+
+
+def frozen_attributes(p: torch.Tensor) -> tuple[tuple[str, Hashable], ...]:
+    """A param's Python attributes as a signature holds them ('' for none: the common case costs one lookup)."""
+    attrs = p.__dict__
+    if not attrs:
+        return ()
+    return tuple(sorted((key, _freeze(value)) for key, value in attrs.items()))
+
+
+def _freeze(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _freeze(v)) for k, v in value.items())))
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", type(value).__name__, id(value))
+    return (type(value).__name__, value)
+
+
+class Unmodelled:
+    """Stands for a param attribute hocompile does not trace (a tensor): any use refuses, naming it."""
+
+    def __init__(self, what: str) -> None:
+        object.__setattr__(self, "_what", what)
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise CaptureError(
+            f"the step uses {object.__getattribute__(self, '_what')}, a tensor attribute of a param{user_line()}; "
+            "hocompile traces params, grads, state and group entries, not tensors hung on a param, so a compiled "
+            "step would read a stale value. Keep it in the optimizer's state, or run this optimizer eagerly"
+        )
+
+    __getattr__ = __bool__ = __len__ = __iter__ = __float__ = __int__ = __index__ = _refuse  # type: ignore[assignment]
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __matmul__ = __rmatmul__ = __neg__ = __getitem__ = __setitem__ = __call__ = _refuse
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for arg in [*args, *(kwargs or {}).values()]:
+            if isinstance(arg, Unmodelled):
+                arg._refuse()
+        return NotImplemented
+
+
+def install(stand_in: torch.Tensor, real: torch.Tensor, where: str) -> dict[str, tuple[Any, Hashable]]:
+    """Give ``stand_in`` the real param's Python attributes; what was installed (each value and its frozen
+    form, to see in-place changes), to check after the trace."""
+    installed: dict[str, tuple[Any, Hashable]] = {}
+    for key, value in real.__dict__.items():
+        if isinstance(value, torch.Tensor):
+            value = Unmodelled(f"{where}.{key}")
+        else:
+            try:
+                value = copy.deepcopy(value)  # a step that mutates it in place must not touch the real one
+            except Exception:  # noqa: BLE001 - a process group, a lock: the object itself
+                pass
+        setattr(stand_in, key, value)
+        installed[key] = (value, _freeze(value))
+    return installed
+
+
+def check_unchanged(stand_in: torch.Tensor, installed: dict[str, tuple[Any, Hashable]], where: str) -> None:
+    """Refuse a step that set, replaced or changed a Python attribute of a param while tracing."""
+    now = stand_in.__dict__
+    for key in sorted(set(now) | set(installed), key=str):
+        if key not in installed:
+            if not _internal(key):
+                raise _changes(where, key, "sets")
+            continue
+        if key not in now:
+            raise _changes(where, key, "deletes")
+        (before, frozen), after = installed[key], now[key]
+        if after is not before and not _equal(before, after):
+            raise _changes(where, key, "changes")
+        if not isinstance(after, Unmodelled) and _freeze(after) != frozen:
+            raise _changes(where, key, "changes")
+
+
+def _internal(key: str) -> bool:
+    # attributes torch's own tracing puts on tensors (proxies, fake modes), not the step's
+    return key.startswith(("_proxy", "proxy", "_fake", "fake_", "_dynamo"))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that cannot compare is taken as changed
+        return False
+
+
+def _changes(where: str, key: str, verb: str) -> CaptureError:
+    return CaptureError(
+        f"the step {verb} the Python attribute {where}.{key!r}{user_line()}; a compiled step keeps no state "
+        "on params, so it would not carry that from one step to the next. Keep it in the optimizer's state"
+    )
