@@ -325,7 +325,9 @@ class _Snapshot:
         self.payload = copy.deepcopy(
             ([dict(g) for g in opt.param_groups], [[opt.state.get(p) for p in g["params"]] for g in opt.param_groups])
         )
-        # deepcopy drops .grad: kept beside, attached to each run's fresh params.
+        # deepcopy drops .grad and a Parameter's Python attributes (is_qkv, partition_dim): kept
+        # beside, attached to each run's fresh params.
+        self.attributes = [[dict(p.__dict__) for p in g["params"]] for g in opt.param_groups]
         self.grads = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
                       for g in opt.param_groups]
         self.attrs = {k: _copied(v) for k, v in vars(opt).items() if k not in ("param_groups", "state", "defaults")}
@@ -338,9 +340,12 @@ class _Snapshot:
         saved_state, saved_attrs = opt.state, dict(vars(opt))
         try:
             state: dict[torch.Tensor, Any] = {}
-            for group, fresh, fresh_states, grads in zip(opt.param_groups, groups, states, self.grads):
-                for p, grad in zip(fresh["params"], grads):
+            for group, fresh, fresh_states, grads, attributes in zip(
+                opt.param_groups, groups, states, self.grads, self.attributes
+            ):
+                for p, grad, attrs in zip(fresh["params"], grads, attributes):
                     p.grad = None if grad is None else grad.clone()
+                    p.__dict__.update(attrs)
                 group.clear()
                 group.update(fresh)
                 state.update({p: s for p, s in zip(fresh["params"], fresh_states) if s is not None})

@@ -226,6 +226,10 @@ class _Mirror:
     params: list[list[torch.Tensor]]
     state: defaultdict[torch.Tensor, dict[Any, Any]]
     host: dict[HostSlot, Any]  # the Python numbers the compiled step updates on the host, as eager left them
+    # Tensors held directly in param groups and optimizer attributes (a step counter group["step"]),
+    # as eager left them: eager ran on clones of them, so the real ones are the compiled step's alone.
+    group_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    attr_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def install(self, opt: torch.optim.Optimizer) -> None:
         """Give ``opt`` this result, in place where the layout allows (state may alias batched banks)."""
@@ -252,8 +256,25 @@ class _Mirror:
                             old.copy_(value)
                         else:
                             real[key] = value
+            for group, held in zip(opt.param_groups, self.group_tensors):
+                for key, value in held.items():
+                    _put(group, key, value)
+            for key, value in self.attr_tensors.items():
+                old = vars(opt).get(key)
+                if isinstance(old, torch.Tensor) and _same_layout(old, value):
+                    old.copy_(value)
+                else:
+                    setattr(opt, key, value)
             for slot, value in self.host.items():
                 slot.write(opt, value)
+
+
+def _put(group: dict[str, Any], key: str, value: torch.Tensor) -> None:
+    old = group.get(key)
+    if isinstance(old, torch.Tensor) and _same_layout(old, value):
+        old.copy_(value)
+    else:
+        group[key] = value
 
 
 def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
@@ -271,13 +292,25 @@ def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
     saved_groups = [dict(group) for group in groups]
     saved_state = opt.state
     saved_attrs = dict(vars(opt))
+    # A tensor in a group or an attribute (group["step"] = torch.tensor(0.)) is updated in place
+    # by the step: eager runs on a clone, or the compiled step would apply it a second time.
+    group_keys = [[k for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)] for g in groups]
+    attr_keys = [k for k, v in saved_attrs.items() if isinstance(v, torch.Tensor)]
     try:
-        for group, group_copies in zip(groups, copies):
+        for group, group_copies, keys in zip(groups, copies, group_keys):
             group["params"] = group_copies
+            for key in keys:
+                group[key] = group[key].detach().clone()
+        for key in attr_keys:
+            setattr(opt, key, saved_attrs[key].detach().clone())
         opt.state = state
         with torch.no_grad():
             unwrapped_step(opt)(opt)
         after = {slot: copy.deepcopy(slot.read(opt)) for slot in host}
+        group_after = [
+            {k: g[k] for k in keys if isinstance(g.get(k), torch.Tensor)} for g, keys in zip(groups, group_keys)
+        ]
+        attrs_after = {k: vars(opt)[k] for k in attr_keys if isinstance(vars(opt).get(k), torch.Tensor)}
     finally:
         opt.state = saved_state
         for group, saved in zip(groups, saved_groups):
@@ -293,7 +326,7 @@ def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
             f"verify: {type(opt).__name__}.step changed the optimizer's own tensors while running on copies "
             "(it holds references outside param_groups and state); it cannot be verified against eager"
         )
-    return _Mirror(copies, state, after)
+    return _Mirror(copies, state, after, group_after, attrs_after)
 
 
 def _copy_param(p: torch.Tensor) -> torch.Tensor:
@@ -304,6 +337,9 @@ def _copy_param(p: torch.Tensor) -> torch.Tensor:
         c.requires_grad_(True)
     if p.grad is not None:
         c.grad = p.grad.detach().clone()
+    # What the step reads of the param besides its data (Megatron's is_qkv, partition_dim): the
+    # copy must take the same branches, or eager on copies is another step (stand_ins.py).
+    c.__dict__.update(p.__dict__)
     return c
 
 
@@ -348,6 +384,16 @@ def _compare(
             if any(diffs):
                 shape = "×".join(str(s) for s in p.shape) or "scalar"
                 problems.append((f"param_groups[{g}]['params'][{i}] (shape {shape})", [d for d in diffs if d]))
+    for g, (group, tensors) in enumerate(zip(opt.param_groups, mirror.group_tensors)):
+        diffs = [
+            check(f"[{key!r}]", InputSlot("group", g, -1, key), group.get(key), want) for key, want in tensors.items()
+        ]
+        if any(diffs):
+            problems.append((f"param_groups[{g}]", [d for d in diffs if d]))
+    for key, want in mirror.attr_tensors.items():
+        diff = check(f"attribute {key!r}", InputSlot("attr", -1, -1, key), vars(opt).get(key), want)
+        if diff:
+            problems.append(("the optimizer", [diff]))
     record.exact, record.budgeted, record.unsampled = check.exact_count, check.budgeted, check.unsampled
     record.worst_pointwise = max(record.worst_pointwise, check.worst_pointwise)
     record.worst_algebra = max(record.worst_algebra, check.worst_algebra)

@@ -1,0 +1,206 @@
+"""Issue 30's classes of silently wrong steps, as complete optimizers: bitwise eager or refused.
+
+Each optimizer is run eager and compiled (``fuse-newton-schulz`` off, so every plan keeps eager's
+arithmetic) over 10 steps with an lr change half-way and a state_dict round trip into a fresh
+compiled wrapper, warm start on and off. A refusal must come before anything is touched.
+
+- a step that skips params by ``requires_grad`` (the stand-ins answered False: 0 ops, a step that
+  did nothing);
+- a step that reads Python attributes of its params (Megatron's ``is_qkv``, ``partition_dim``);
+- host arithmetic on a value read with ``.item()`` (``lr / max(1, rms.item())``: ``1 - lr * wd``
+  came out the same double in both traces and was baked in);
+- Adam keeping its step counter as a tensor in ``param_groups``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hocompile
+from hocompile import CaptureError
+
+STEPS = 10
+
+
+class SkipFrozen(torch.optim.Optimizer):
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or p.grad is None:
+                    continue
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class ReadsAttributes(torch.optim.Optimizer):
+    """Splits "QKV" params in three along ``partition_dim`` and normalises each part (Megatron-like)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if getattr(p, "is_qkv", False):
+                    parts = [x / x.norm() for x in g.chunk(3, dim=getattr(p, "partition_dim", 0))]
+                    g = torch.cat(parts, dim=getattr(p, "partition_dim", 0))
+                else:
+                    g = g / g.norm()
+                p.add_(g, alpha=-group["lr"])
+
+
+class HostArithmetic(torch.optim.Optimizer):
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                rms = p.grad.pow(2).mean().sqrt()
+                lr = group["lr"] / max(1, rms.item())
+                p.mul_(1 - lr * 0.01)
+                p.add_(p.grad, alpha=-lr)
+
+
+class TensorStepAdam(torch.optim.Optimizer):
+    """Adam with its step counter a tensor in each param group, incremented in step()."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.99), "eps": 1e-8})
+        for group in self.param_groups:
+            group["step"] = torch.tensor(0.0)
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["step"] += 1
+            b1, b2 = group["betas"]
+            t = group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"], st["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (st["v"] / (1 - b2**t)).sqrt().add_(group["eps"])
+                p.addcdiv_(st["m"], denom, value=-group["lr"] / (1 - b1**t).item())
+
+
+def _params(kind: type) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4, generator=gen)) for _ in range(5)]
+    if kind is SkipFrozen:
+        params[1].requires_grad_(False)
+    if kind is ReadsAttributes:
+        params[0].is_qkv, params[0].partition_dim = True, 0  # type: ignore[attr-defined]
+        params[2].is_qkv, params[2].partition_dim = True, 1  # type: ignore[attr-defined]
+    return params
+
+
+def _run(kind: type, compiled: bool, cache: Path, warm: bool) -> list[torch.Tensor]:
+    params = _params(kind)
+    opt: Any = kind(params)
+    if compiled:
+        opt = hocompile.compile_optimizer(
+            opt, cache_dir=cache, disable_passes=["fuse-newton-schulz"], warm_start=warm
+        )
+    gen = torch.Generator().manual_seed(1)
+    for k in range(STEPS):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * (k + 1)
+        if k == STEPS // 2:
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+            if compiled:  # a state_dict round trip into a fresh wrapper of a fresh optimizer
+                state = opt.state_dict()
+                fresh = kind(params)
+                fresh.load_state_dict(state)
+                opt = hocompile.compile_optimizer(
+                    fresh, cache_dir=cache, disable_passes=["fuse-newton-schulz"], warm_start=warm
+                )
+            else:
+                state = opt.state_dict()
+                opt = kind(params)
+                opt.load_state_dict(state)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["warm-start-off", "warm-start-on"])
+@pytest.mark.parametrize(
+    "kind", [SkipFrozen, ReadsAttributes, HostArithmetic, TensorStepAdam], ids=lambda k: k.__name__
+)
+def test_bitwise_eager_over_a_schedule_and_a_round_trip(kind: type, warm: bool, tmp_path: Path) -> None:
+    want = _run(kind, False, tmp_path, warm)
+    got = _run(kind, True, tmp_path, warm)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), (i, (a - b).abs().max().item())
+
+
+def test_a_changed_attribute_or_flag_recompiles_with_its_name(tmp_path: Path) -> None:
+    params = _params(ReadsAttributes)
+    opt = hocompile.compile_optimizer(ReadsAttributes(params), cache_dir=tmp_path)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    params[0].partition_dim = 1  # type: ignore[attr-defined]
+    opt.step()
+    params[3].requires_grad_(False)
+    opt.step()
+    reasons = " | ".join(opt.counters.recompiles)
+    assert "param_groups[0]['params'][0].partition_dim changed 0 -> 1" in reasons, reasons
+    assert "param_groups[0]['params'][3].requires_grad changed True -> False" in reasons, reasons
+
+
+class ReadsTensorAttribute(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.main_grad, alpha=-0.1)
+
+
+class SetsAttribute(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for p in self.param_groups[0]["params"]:
+            p.seen = getattr(p, "seen", 0) + 1
+            p.add_(p.grad, alpha=-0.1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [(ReadsTensorAttribute, "uses param_groups[0]['params'][0].main_grad, a tensor attribute"),
+     (SetsAttribute, "sets the Python attribute param_groups[0]['params'][0].'seen'")],
+    ids=["tensor attribute", "sets an attribute"],
+)
+def test_what_is_not_modelled_is_refused_naming_it_before_anything_changes(
+    kind: type, words: str, tmp_path: Path
+) -> None:
+    params = [torch.nn.Parameter(torch.randn(3, 3)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn(3, 3)
+        p.main_grad = p.grad.clone()  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in params]
+    opt = hocompile.compile_optimizer(kind(params), cache_dir=tmp_path)
+    with pytest.raises(CaptureError, match=words.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(not hasattr(p, "seen") for p in params)
