@@ -76,3 +76,18 @@ def traced_collectives() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+def refuse_untraced_collectives(gm: torch.fx.GraphModule, opt: Any) -> None:
+    """A c10d collective the trace recorded as an op on the process group itself: called through a
+    name bound before tracing (``from torch.distributed import all_reduce``), so not followed above.
+    Replayed from a graph it would not be the step's collective: refuse, naming it."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "c10d":
+            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            raise CaptureError(
+                f"{type(opt).__name__}.step calls the collective c10d::{name} through a name hocompile does not "
+                "follow (bound before tracing, e.g. `from torch.distributed import all_reduce`); a compiled step "
+                "must never drop or replay a collective blindly. Call it as torch.distributed.<name>, use "
+                "torch.distributed._functional_collectives, or run this optimizer eagerly (fallback='eager')"
+            )

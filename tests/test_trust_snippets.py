@@ -204,3 +204,37 @@ def test_what_is_not_modelled_is_refused_naming_it_before_anything_changes(
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     assert all(not hasattr(p, "seen") for p in params)
+
+
+class BoundCollective(torch.optim.Optimizer):
+    """All-reduces its grads through a name bound at import (Megatron-style module-level imports)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        from torch.distributed.distributed_c10d import all_reduce  # not torch.distributed.all_reduce
+
+        for p in self.param_groups[0]["params"]:
+            g = p.grad.clone()
+            all_reduce(g)
+            p.add_(g, alpha=-0.1)
+
+
+def test_a_collective_the_trace_cannot_follow_is_refused_naming_it(tmp_path: Path) -> None:
+    """Never dropped, never replayed blindly: a c10d op reached through another name is refused (one rank:
+    eager's all-reduce is the identity there, so a dropped one would even have passed a comparison)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        p = torch.nn.Parameter(torch.randn(3, 3))
+        p.grad = torch.randn(3, 3)
+        before = p.detach().clone()
+        opt = hocompile.compile_optimizer(BoundCollective([p]), cache_dir=tmp_path / "cache")
+        with pytest.raises(CaptureError, match=r"collective c10d::allreduce_ through a name hocompile does not"):
+            opt.step()
+        assert torch.equal(p.detach(), before)
+    finally:
+        dist.destroy_process_group()
