@@ -192,9 +192,26 @@ class ScalarTracker:
     made: int = 0  # payloads made by extremum() so far
 
     def make(self, payload: float, expr: Expr) -> HyperParam:
+        payload = self._unique(float(payload), expr)
         hp = HyperParam(payload, expr, self)
-        self.by_payload.setdefault(float(payload), []).append(expr)
+        self.by_payload.setdefault(payload, []).append(expr)
         return hp
+
+    def _unique(self, payload: float, expr: Expr) -> float:
+        """A payload no other expression of this trace has: the graph's constant names one expression.
+
+        Nudges can cancel: ``lr / max(1.0, read0) * min(1.0, ...)`` and the same with ``read2`` came out
+        the same double when both extrema picked their constant 1.0, so param 2's ``1 - plr * wd`` was
+        lifted as param 0's (found by tests/fuzz_steps.py). Counters and constants (whole numbers,
+        expressions of no input) keep their value: it is what they are."""
+        taken = self.by_payload.get(payload)
+        if not taken or all(e == expr for e in taken) or not expr.inputs() or payload.is_integer():
+            return payload
+        for k in range(1, 1 << 16):
+            bumped = payload * (1.0 + k * 2.0**-45) if payload else k * 2.0**-1000
+            if not any(e != expr for e in self.by_payload.get(bumped, ())):
+                return bumped
+        raise CaptureError("too many host scalars share one value to tell apart")
 
     def real_value(self, expr: Expr) -> Any:
         return expr.evaluate(self.real)
