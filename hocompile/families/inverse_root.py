@@ -47,8 +47,12 @@ def inverse_root_eager(a: torch.Tensor, root: int, epsilon: float, method: str, 
             return inverse_root_newton(m, root, epsilon, iterations)
         return inverse_root_eigh(m, root, epsilon)
 
-    # matrix_roots' Newton scales by one matrix norm: a stack runs per matrix too.
-    return per_matrix(one, a) if a.dim() == 3 else one(a)
+    def each(m: torch.Tensor) -> torch.Tensor:
+        # per_matrix hands a whole stack over when it has one thread (OMP_NUM_THREADS=1), and
+        # matrix_roots' Newton scales by one matrix norm: a stack runs per matrix here too.
+        return torch.stack([one(x) for x in m]) if m.dim() == 3 else one(m)
+
+    return per_matrix(each, a) if a.dim() == 3 else one(a)
 
 
 @torch.library.custom_op("hocompile::inverse_root", mutates_args=())
