@@ -111,3 +111,16 @@ def test_a_monkeypatch_the_new_process_lacks_is_caught_on_the_first_step(tmp_pat
     after = _run(tmp_path)  # no patch: the loaded records compute another step than eager's
     assert after["same"], "a stale record changed the training run"
     assert after["warm"] >= 1 and any("stale warm-start record" in str(s) for s in after["stale"])  # type: ignore[union-attr]
+
+
+def test_a_loaded_step_is_dumped_too(tmp_path: Path, user_file: Path) -> None:
+    """HOCOMPILE_DUMP_DIR: a step loaded from a record writes its lowered module and where it came from."""
+    _run(tmp_path)
+    dump = tmp_path / "dump"
+    after = _run(tmp_path, patch=f"import os; os.environ['HOCOMPILE_DUMP_DIR'] = {str(dump)!r}")
+    assert after["warm"] == 2
+    folders = sorted(dump.iterdir())
+    assert [f.name for f in folders] == ["compile-001", "compile-002"]
+    for folder in folders:
+        assert "loaded from the warm-start record" in (folder / "warm-start.txt").read_text()
+        assert "def " in (folder / "lowered.py").read_text()

@@ -187,7 +187,7 @@ def compile_step(
     with COMPILE_LOCK:  # one compile at a time per process (see COMPILE_LOCK)
         start = time.perf_counter() - planning  # waiting for another compile is not this one's time
         key = _warm_key(opt, settings, pipeline, lifted, lower and warm_start)
-        loaded = _warm_step(opt, settings, key, pipeline, backend, device) if key else None
+        loaded = _warm_step(opt, settings, key, pipeline, backend, device, dump_dir) if key else None
         if loaded is not None:
             loaded.target, loaded.seconds = target, time.perf_counter() - start
             return loaded
@@ -235,12 +235,20 @@ def _warm_step(
     pipeline: tuple[Pass, ...],
     backend: str,
     device: torch.device,
+    dump_dir: Path | None,
 ) -> CompiledStep | None:
-    """A step loaded from a warm-start record whose guards hold now, lowered; None if there is none."""
+    """A step loaded from a warm-start record whose guards hold now, lowered; None if there is none.
+    ``dump_dir`` gets its lowered module and the record it came from (no capture or pass ran)."""
     for path, record in warm.load(opt, settings, key):
         try:
             step = warm.rebuild(record, CompiledStep)
-            _lower(step, opt, settings, pipeline, backend, device, None)
+            if dump_dir is not None:
+                dump_dir.mkdir(parents=True, exist_ok=True)
+                (dump_dir / "warm-start.txt").write_text(
+                    f"loaded from the warm-start record {path}\n(no capture or pass ran in this process: the "
+                    "record holds the final graph; lowered.py is what runs)\n"
+                )
+            _lower(step, opt, settings, pipeline, backend, device, dump_dir)
         except Exception as exc:  # a record this build cannot use: compile afresh
             log.info("hocompile: warm-start record %s not usable (%s: %s)", path.name, type(exc).__name__, exc)
             warm.discard(path)
@@ -344,6 +352,7 @@ def _lower(
     if step.stamp is not None:  # one program per class and one for the shared part (class_programs.py)
         _lower_stamped(step, f"{identity};backend={backend};{statuses}", header, settings)
         step.lower_seconds = time.perf_counter() - start
+        _dump_lowered(step, dump_dir)
         return
     # The aten lowering writes nothing back before the graph's last fallible op (writeback.py); the
     # Triton wrapper nothing before its last launch (lowering/triton/fence.py).
@@ -356,11 +365,17 @@ def _lower(
         cache = DiskCache(settings.cache_dir)
         step.lowered = lower_to_aten(step.gm, step.key, cache, header, copy_into, settings.fused_updates)
     step.lower_seconds = time.perf_counter() - start
-    if dump_dir is not None:
-        (dump_dir / "lowered.py").write_text(step.lowered.source)
-        for kernel in step.lowered.kernels:
-            (dump_dir / "kernels").mkdir(exist_ok=True)
-            (dump_dir / "kernels" / f"{kernel.name}.py").write_text(kernel.source)
+    _dump_lowered(step, dump_dir)
+
+
+def _dump_lowered(step: CompiledStep, dump_dir: Path | None) -> None:
+    if dump_dir is None or step.lowered is None:
+        return
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    (dump_dir / "lowered.py").write_text(step.lowered.source)
+    for kernel in step.lowered.kernels:
+        (dump_dir / "kernels").mkdir(exist_ok=True)
+        (dump_dir / "kernels" / f"{kernel.name}.py").write_text(kernel.source)
 
 
 def _lower_stamped(step: CompiledStep, identity: str, header: str, settings: Settings) -> None:
