@@ -187,7 +187,7 @@ def child_run(cfg: dict[str, Any]) -> dict[str, Any]:
     _attach(c_muon + c_adamw, grads)
     grad_sums = torch.stack([g.float().sum() for g in grads])
     eager = _optimizers(muon, adamw)
-    compiled = [hocompile.compile_optimizer(o) for o in _optimizers(c_muon, c_adamw)]
+    compiled = [hocompile.compile_optimizer(o, warm_start=True) for o in _optimizers(c_muon, c_adamw)]
     eager_steps, compiled_steps = [o.step for o in eager], [o.step for o in compiled]
 
     rss_before = _status_kib("VmRSS")
@@ -243,7 +243,7 @@ def child_warm(cfg: dict[str, Any]) -> dict[str, Any]:
 
     muon, adamw, grads = _tensors(cfg)
     _attach(muon + adamw, grads)
-    compiled = [hocompile.compile_optimizer(o) for o in _optimizers(muon, adamw)]
+    compiled = [hocompile.compile_optimizer(o, warm_start=True) for o in _optimizers(muon, adamw)]
     steps = [o.step for o in compiled]
     rss_before = _status_kib("VmRSS")
     _reset_peak()

@@ -145,8 +145,9 @@ def compile_optimizer(
         warm_start: a new process with the same optimizer code, shapes and
             settings loads its compiled steps from ``cache_dir`` instead of
             tracing them, and checks each loaded step's first step against
-            eager on copies (a mismatch recompiles); default True
-            (``HOCOMPILE_WARM_START=0`` turns it off).
+            eager on copies (a mismatch recompiles); default False
+            (``HOCOMPILE_WARM_START=1`` turns it on): loading and that
+            check cost more than a cold compile at every size measured.
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.

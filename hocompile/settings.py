@@ -14,9 +14,12 @@
 - ``HOCOMPILE_STAMP``: ``0``/``false``/``off`` traces every param of a step
   instead of one representative per parameter class (classes/stamp.py); on
   by default.
-- ``HOCOMPILE_WARM_START``: ``0``/``false``/``off`` neither loads compiled
-  steps of earlier processes from the cache directory nor keeps them there
-  (runtime/warm.py); on by default.
+- ``HOCOMPILE_WARM_START``: ``1``/``true``/``on`` loads compiled steps of
+  earlier processes from the cache directory and keeps them there
+  (runtime/warm.py). Off by default: loading plus the first step's check
+  against eager cost more than a cold compile at every size measured
+  (benchmarks/scale.py: 3.8 s against 1.7 s at 48 matrices, 71 s against
+  5.7 s at Qwen3's count), and a warm start must cost less or stay off.
 - ``HOCOMPILE_FUSED_UPDATES``: ``1``/``true``/``on`` runs AdamW and
   SGD-momentum updates on the aten lowering with torch's fused CPU kernels
   (3-4x faster, within 1e-6 of eager but not bitwise; lowering/fused_updates.py).
@@ -121,7 +124,7 @@ class Settings:
     process_group: str | None = None  # its group_name (a name pickles; a ProcessGroup does not); None: default
     tp_mode: str = "auto"  # NS of a sharded (DTensor) matrix: "auto" (cost model) or one of TP_MODES' others
     stamp: bool = True  # trace one representative per parameter class where the step is proved separable
-    warm_start: bool = True  # load compiled steps of earlier processes from cache_dir (runtime/warm.py)
+    warm_start: bool = False  # load compiled steps of earlier processes from cache_dir (runtime/warm.py)
 
     def __post_init__(self) -> None:
         # Settings(...) built directly may hold the plain strings: store the members
@@ -218,7 +221,7 @@ class Settings:
                 else bool(stamp)
             ),
             warm_start=(
-                os.environ.get("HOCOMPILE_WARM_START", "").strip().lower() not in _VERIFY_OFF[1:]
+                os.environ.get("HOCOMPILE_WARM_START", "").strip().lower() not in _VERIFY_OFF
                 if warm_start is None
                 else bool(warm_start)
             ),

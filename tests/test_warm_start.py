@@ -52,7 +52,9 @@ torch.manual_seed(0)
 params = [torch.nn.Parameter(torch.randn(8, 16)) for _ in range(12)]
 params += [torch.nn.Parameter(torch.randn(16)) for _ in range(6)]
 twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-compiled = hocompile.compile_optimizer(Momentum(params), cache_dir={cache!r}, disable_passes=("fuse-newton-schulz",))
+compiled = hocompile.compile_optimizer(
+    Momentum(params), cache_dir={cache!r}, disable_passes=("fuse-newton-schulz",), warm_start=True
+)
 eager = Momentum(twins)
 for step in range(4):
     for p, q in zip(params, twins):
