@@ -9,6 +9,8 @@ So while tracing:
 
 - ``requires_grad`` and ``is_leaf`` read on a stand-in return the real param's
   (HostScalarMode asks :func:`real_flag`);
+- its class: ``isinstance(p, nn.Parameter)`` and ``type(p) is nn.Parameter`` hold as for the
+  real param (a fake tensor is a plain Tensor: both branches went the other way);
 - every Python attribute of the real param (its ``__dict__``) is set on the stand-in; a
   tensor-valued one (``main_grad``) is not modelled as a traced input, so it is an
   :class:`Unmodelled` that refuses any use, naming the attribute and the line;
@@ -31,6 +33,7 @@ import torch
 from .scalars import CaptureError, user_line
 
 FLAGS = ("requires_grad", "is_leaf")
+_CLASSES = (torch.nn.Parameter,)  # classes a stand-in may take on (plain Tensor subclasses, no wrappers)
 _GETTERS = {getattr(torch._C.TensorBase, name): name for name in FLAGS}
 
 
@@ -93,6 +96,16 @@ def install(stand_in: torch.Tensor, real: torch.Tensor, where: str) -> dict[str,
     """Give ``stand_in`` the real param's Python attributes; what was installed (each value and its frozen
     form, to see in-place changes), to check after the trace."""
     installed: dict[str, tuple[Any, Hashable]] = {}
+    if isinstance(real, torch.nn.Parameter):
+        # isinstance(p, nn.Parameter) holds for a tensor flagged _is_param (Parameter's metaclass):
+        # the step's `if isinstance(p, nn.Parameter)` takes the real param's branch.
+        stand_in._is_param = True  # type: ignore[attr-defined]
+        installed["_is_param"] = (True, _freeze(True))
+    if type(stand_in) is torch.Tensor and type(real) in _CLASSES:
+        try:  # `type(p) is nn.Parameter`: the stand-in's class becomes the param's where Python allows
+            stand_in.__class__ = type(real)
+        except TypeError:
+            pass
     for key, value in real.__dict__.items():
         if isinstance(value, torch.Tensor):
             value = Unmodelled(f"{where}.{key}")

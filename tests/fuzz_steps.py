@@ -6,7 +6,8 @@ with an lr change, grads that go None, and a state_dict round trip into a fresh 
 step must match eager bit for bit, or be refused (CaptureError) at its first step with nothing
 touched. Anything else is a silently wrong step: the worst bug this product can have.
 
-Patterns (each seed draws a subset): a skip by ``requires_grad``; a param attribute scaling the
+Patterns (each seed draws a subset): a skip by ``requires_grad``; a branch on the param's class
+(``isinstance(p, nn.Parameter)``, ``type(p)``); a param attribute scaling the
 step and one selecting a branch (Megatron's ``is_qkv`` split); step counters as tensors in the
 group, in state and on the optimizer, read with ``.item()``; a value read with ``.item()`` through
 Python arithmetic (``max``, ``min``, ``abs``, ratios) and through a branch; a global grad norm
@@ -34,6 +35,7 @@ from .helpers import EVERY_PASS_OFF
 FEATURES = (
     "skip_frozen", "attr_scale", "attr_branch", "group_step", "state_step", "attr_step", "item_arith",
     "item_branch", "global_norm", "momentum", "container", "foreach_decay", "view_update", "decay", "round_trip",
+    "param_class",
 )  # fmt: skip
 SHAPES = [(6, 4), (6, 4), (3, 6), (6, 4), (9, 2)]
 STEPS = 8
@@ -80,6 +82,9 @@ def source(features: tuple[str, ...]) -> str:
         body += ["                g = g * clip"]
     if has("attr_scale"):
         body += ["                plr = plr * getattr(p, 'lr_scale', 1.0)"]
+    if has("param_class"):
+        body += ["                if not isinstance(p, torch.nn.Parameter) or type(p) is not torch.nn.Parameter:",
+                 "                    plr = plr * 3.0"]
     if has("attr_branch"):
         body += ["                if getattr(p, 'is_qkv', False):",
                  "                    g = torch.cat([x / (x.norm() + 1e-8) for x in g.chunk(3, dim=0)])"]
