@@ -74,7 +74,7 @@ def source(features: tuple[str, ...]) -> str:
                 "        total = torch.stack(norms).norm().item()",
                 "        clip = min(1.0, 3.0 / (total + 1e-6))"]
     if has("skip_frozen"):
-        body += ["                if not p.requires_grad:", "                    continue"]
+        body += ["                if not p.requires_grad or not p.is_leaf:", "                    continue"]
     body += ["                g = p.grad", "                st = self.state[p]", "                plr = lr"]
     if has("attr_step"):
         body += ["                plr = plr * warm"]
