@@ -238,3 +238,28 @@ def test_a_collective_the_trace_cannot_follow_is_refused_naming_it(tmp_path: Pat
         assert torch.equal(p.detach(), before)
     finally:
         dist.destroy_process_group()
+
+
+class CountsTags(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.grad, alpha=-0.1 * len(p.tags))
+
+
+def test_an_attribute_changed_in_place_recompiles(tmp_path: Path) -> None:
+    """The fast guard compares a param's attributes as a dict (the same objects short-circuit); a list
+    attribute appended to in place is compared as the signature holds it, so it cannot slip through."""
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
+    for p in params:
+        p.grad, p.tags = torch.ones(2), ["a"]  # type: ignore[attr-defined]
+    opt = hocompile.compile_optimizer(CountsTags(params), cache_dir=tmp_path)
+    opt.step()
+    params[0].tags.append("b")  # type: ignore[attr-defined]
+    opt.step()
+    assert opt.counters.recompiles == ["param_groups[0]['params'][0].tags changed ['a'] -> ['a', 'b']"]
+    assert torch.allclose(params[0].detach(), torch.full((2,), 0.7))
+    assert torch.equal(params[1].detach(), torch.full((2,), 0.8))

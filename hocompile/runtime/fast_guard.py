@@ -82,9 +82,24 @@ class FastGuard:
         # state the signature holds by value (key, index, frozen value).
         self.has_grad = [tuple(p.grad is not None for p in g.params) for g in sig.groups]
         self.keys = [tuple(tuple(k for k, _ in p.state) for p in g.params) for g in sig.groups]
-        # Params' Python attributes (stand_ins.py; requires_grad is in the tensor check): per param, the
-        # frozen attributes, or None where it had none (then one dict truthiness test per step).
-        self.attrs = [tuple(p.attributes or None for p in g.params) for g in sig.groups]
+        # Params' Python attributes (stand_ins.py; requires_grad is in the tensor check): per param, a
+        # shallow copy of its __dict__ (None where empty: one truthiness test per step), compared as a
+        # dict in C (the same objects short-circuit); params holding a list, dict or set, which can
+        # change in place, are compared frozen as the signature does (``self.deep``).
+        self.attrs: list[list[dict[str, Any] | None]] = []
+        self.deep: list[set[int]] = []
+        for group, gsig in zip(opt.param_groups, sig.groups):
+            dicts: list[dict[str, Any] | None] = []
+            deep: set[int] = set()
+            for i, (p, psig) in enumerate(zip(group["params"], gsig.params)):
+                if not psig.attributes:
+                    dicts.append(None)
+                    continue
+                dicts.append(dict(p.__dict__))
+                if any(isinstance(v, (list, dict, set)) for v in p.__dict__.values()):
+                    deep.add(i)
+            self.attrs.append(dicts)
+            self.deep.append(deep)
         self.values = [
             [(k, i, v) for i, p in enumerate(g.params) for k, v in p.state if not _is_tensor_sig(v)]
             for g in sig.groups
@@ -121,10 +136,10 @@ class FastGuard:
             grads = list(map(_grad, params))
             if [grad is not None for grad in grads] != list(has_grad):
                 return None
-            for p, grad, d, k, a in zip(params, grads, dicts[g], keys, attrs):
+            for i, (p, grad, d, k, a) in enumerate(zip(params, grads, dicts[g], keys, attrs)):
                 if len(d) != len(k):
                     return None
-                if (a is not None or p.__dict__) and frozen_attributes(p) != (a or ()):
+                if (a is not None or p.__dict__) and not self._same_attributes(g, i, p, a):
                     return None
                 out.append(p)
                 if grad is not None:
@@ -134,6 +149,16 @@ class FastGuard:
                 except KeyError:
                     return None
         return out
+
+    def _same_attributes(self, g: int, i: int, p: torch.Tensor, saved: dict[str, Any] | None) -> bool:
+        if saved is None:
+            return False  # it had none when the step was compiled
+        if i in self.deep[g]:
+            return frozen_attributes(p) == self.sig.groups[g].params[i].attributes
+        try:
+            return bool(p.__dict__ == saved)
+        except Exception:  # noqa: BLE001 - a value that cannot compare (a new tensor): the signature decides
+            return False
 
     def holds(self, opt: torch.optim.Optimizer) -> bool:
         sig = self.sig

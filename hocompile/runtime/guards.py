@@ -207,9 +207,22 @@ def _show(value: Any) -> str:
 
 
 def _show_attribute(frozen: Any) -> str:
+    """A param attribute as stand_ins.frozen_attributes holds it, written as the user wrote it."""
     if frozen is None:
         return "(not set)"
-    return repr(frozen[1]) if isinstance(frozen, tuple) and len(frozen) == 2 else repr(frozen)
+    if not isinstance(frozen, tuple) or len(frozen) < 2:
+        return repr(frozen)
+    kind, rest = frozen[0], frozen[1:]
+    if kind in ("list", "tuple"):
+        items = ", ".join(_show_attribute(v) for v in rest[0])
+        return f"[{items}]" if kind == "list" else f"({items}{',' if len(rest[0]) == 1 else ''})"
+    if kind == "dict":
+        return "{" + ", ".join(f"{k}: {_show_attribute(v)}" for k, v in rest[0]) + "}"
+    if kind == "tensor":
+        return f"a tensor {tuple(rest[0])}"
+    if kind == "unhashable":
+        return f"a {rest[0]} object"
+    return repr(rest[0])
 
 
 def _show_container(frozen: Any) -> str:
