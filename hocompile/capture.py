@@ -366,6 +366,7 @@ def _capture(
 ) -> CapturedStep:
     start = time.perf_counter()
     check_state_substitutable(opt)
+    stand_ins.refuse_identity_maps(opt, {id(p) for g in opt.param_groups for p in g["params"]})
     slots = input_slots(opt, view)
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")

@@ -38,7 +38,7 @@ from .scalars import (  # noqa: F401  (user_line: re-exported, capture_errors im
     sentinel,
     user_line,
 )
-from .stand_ins import real_flag
+from .stand_ins import real_flag, real_id
 
 __all__ = ["CaptureError", "HostScalarMode", "is_hyperparameter"]
 
@@ -117,14 +117,15 @@ class HostScalarMode(TorchFunctionMode):
         # max(eps, x) / min(x, 1.0) of a hyperparameter or a value read on the host: an
         # expression the host evaluates, instead of a guard per outcome (the trace lock
         # keeps this to one trace at a time; other arguments pass straight through).
-        self._saved_builtins = (builtins.max, builtins.min)
+        self._saved_builtins = (builtins.max, builtins.min, builtins.id)
         builtins.max, builtins.min = _extremum_of("max"), _extremum_of("min")
+        builtins.id = real_id(self.stand_ins, builtins.id)
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         for name, fn in self._saved_math.items():
             setattr(math, name, fn)
-        builtins.max, builtins.min = self._saved_builtins
+        builtins.max, builtins.min, builtins.id = self._saved_builtins
         super().__exit__(*exc)
 
     def track(self, tensor: torch.Tensor, name: str, real: float, index: int) -> None:

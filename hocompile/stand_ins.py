@@ -25,7 +25,9 @@ that differ in them never share a stamped program.
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable
+import os
+import sys
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -43,6 +45,54 @@ def real_flag(func: Any, args: tuple[Any, ...], stand_ins: dict[int, torch.Tenso
     if name is None or not args or id(args[0]) not in stand_ins:
         return False, None
     return True, getattr(stand_ins[id(args[0])], name)
+
+
+def real_id(stand_ins: dict[int, torch.Tensor], builtin_id: Callable[[Any], int]) -> Callable[[Any], int]:
+    """``id`` while tracing: a stand-in's is the real param's where the user's code asks
+    (``id(p) in self.no_decay_ids``), its own where torch or hocompile ask (their bookkeeping)."""
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+    def traced_id(obj: Any) -> int:
+        ident = builtin_id(obj)
+        real = stand_ins.get(ident)
+        if real is None or sys._getframe(1).f_code.co_filename.startswith(internal):
+            return ident
+        return builtin_id(real)
+
+    return traced_id
+
+
+def refuse_identity_maps(opt: Any, params: set[int]) -> None:
+    """A set holding params, or a dict keyed by them, among the optimizer's attributes: the traced step
+    looks its stand-ins up there and misses (``if p in self.no_decay``). Refused, naming the place."""
+    seen: set[int] = set()
+    frontier: list[tuple[str, Any, int]] = [
+        (f"opt.{k}", v, 0) for k, v in vars(opt).items() if k not in ("state", "param_groups", "defaults")
+    ]
+    while frontier:
+        path, value, depth = frontier.pop()
+        if id(value) in seen or depth > 4 or isinstance(value, torch.Tensor):
+            continue
+        seen.add(id(value))
+        if isinstance(value, (set, frozenset)):
+            members: list[Any] = list(value)
+            what = "as set members"
+        elif isinstance(value, dict):
+            members = list(value.keys())
+            what = "as dict keys"
+            frontier += [(f"{path}[{k!r}]", v, depth + 1) for k, v in value.items() if not isinstance(k, torch.Tensor)]
+        elif isinstance(value, (list, tuple)):
+            frontier += [(f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value)]
+            continue
+        else:
+            continue
+        if any(isinstance(m, torch.Tensor) and id(m) in params for m in members):
+            raise CaptureError(
+                f"{path} holds the optimizer's params {what}; the traced step runs on stand-ins, so a lookup "
+                "there (`p in ...`, `...[p]`) would miss them and the compiled step would take another branch. "
+                "Key it by `id(p)` (followed), keep the choice in a param group, in state, or as a param "
+                "attribute, or run this optimizer eagerly (fallback='eager')"
+            )
 
 
 def frozen_attributes(p: torch.Tensor) -> tuple[tuple[str, Hashable], ...]:

@@ -7,7 +7,7 @@ step must match eager bit for bit, or be refused (CaptureError) at its first ste
 touched. Anything else is a silently wrong step: the worst bug this product can have.
 
 Patterns (each seed draws a subset): a skip by ``requires_grad``; a branch on the param's class
-(``isinstance(p, nn.Parameter)``, ``type(p)``); a param attribute scaling the
+(``isinstance(p, nn.Parameter)``, ``type(p)``); a lookup by ``id(p)``; a param attribute scaling the
 step and one selecting a branch (Megatron's ``is_qkv`` split); step counters as tensors in the
 group, in state and on the optimizer, read with ``.item()``; a value read with ``.item()`` through
 Python arithmetic (``max``, ``min``, ``abs``, ratios) and through a branch; a global grad norm
@@ -35,7 +35,7 @@ from .helpers import EVERY_PASS_OFF
 FEATURES = (
     "skip_frozen", "attr_scale", "attr_branch", "group_step", "state_step", "attr_step", "item_arith",
     "item_branch", "global_norm", "momentum", "container", "foreach_decay", "view_update", "decay", "round_trip",
-    "param_class",
+    "param_class", "id_lookup",
 )  # fmt: skip
 SHAPES = [(6, 4), (6, 4), (3, 6), (6, 4), (9, 2)]
 STEPS = 8
@@ -66,6 +66,8 @@ def source(features: tuple[str, ...]) -> str:
         init += ["        for group in self.param_groups:", "            group['step'] = torch.tensor(0.0)"]
         per_group += ["            group['step'] += 1",
                       "            lr = lr / (1 - group['beta'] ** group['step'].item())"]
+    if has("id_lookup"):
+        init += ["        self.no_decay_ids = {id(self.param_groups[0]['params'][2])}"]
     if has("attr_step"):
         init += ["        self.count = torch.tensor(0.0)"]
         pre += ["        self.count += 1", "        warm = min(1.0, self.count.item() / 4)"]
@@ -82,6 +84,8 @@ def source(features: tuple[str, ...]) -> str:
         body += ["                g = g * clip"]
     if has("attr_scale"):
         body += ["                plr = plr * getattr(p, 'lr_scale', 1.0)"]
+    if has("id_lookup"):
+        body += ["                if id(p) in self.no_decay_ids:", "                    plr = plr * 0.25"]
     if has("param_class"):
         body += ["                if not isinstance(p, torch.nn.Parameter) or type(p) is not torch.nn.Parameter:",
                  "                    plr = plr * 3.0"]

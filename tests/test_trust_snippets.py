@@ -266,3 +266,49 @@ def test_an_attribute_changed_in_place_recompiles(tmp_path: Path) -> None:
     eager.step()
     assert opt.counters.recompiles == ["param_groups[0]['params'][0].tags changed ['a'] -> ['a', 'b']"]
     assert all(torch.equal(p, q) for p, q in zip(params, twins))
+
+
+class LooksParamsUp(torch.optim.Optimizer):
+    """Per-param choices kept beside the param groups: a set of params, a dict keyed by them, a set of ids."""
+
+    def __init__(self, params: Any, how: str) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": 0.1})
+        self.how = how
+        self.no_decay = {params[0]} if how == "set" else None
+        self.names = {p: f"w{i}" for i, p in enumerate(params)} if how == "dict" else None
+        self.no_decay_ids = {id(params[0])}
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for p in self.param_groups[0]["params"]:
+            if self.how == "set":
+                decay = p not in self.no_decay
+            elif self.how == "dict":
+                decay = self.names[p] != "w0"
+            else:
+                decay = id(p) not in self.no_decay_ids
+            if decay:
+                p.mul_(0.5)
+            p.add_(p.grad, alpha=-0.1)
+
+
+@pytest.mark.parametrize("how", ["set", "dict", "id"])
+def test_params_looked_up_by_identity_are_followed_or_refused(how: str, tmp_path: Path) -> None:
+    """``id(p)`` of a traced param is the real one's; a set or dict holding the params themselves
+    cannot be answered by stand-ins, so it is refused naming the attribute (it was a silently
+    skipped decay, or a RuntimeError from comparing tensors in the signature)."""
+    params, twins = ([torch.nn.Parameter(torch.ones(2)) for _ in range(2)] for _ in range(2))
+    for p in params + twins:
+        p.grad = torch.ones(2)
+    LooksParamsUp(twins, how).step()
+    opt = hocompile.compile_optimizer(LooksParamsUp(params, how), cache_dir=tmp_path)
+    if how == "id":
+        opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, twins))
+        return
+    where = {"set": r"opt\.no_decay holds the optimizer's params as set members",
+             "dict": r"opt\.names holds the optimizer's params as dict keys"}[how]
+    with pytest.raises(CaptureError, match=where):
+        opt.step()
+    assert all(torch.equal(p.detach(), torch.ones(2)) for p in params)

@@ -68,8 +68,8 @@ def _freeze(value: Any) -> Any:
         return ("container", spec.signature(), tuple(_tensor_sig(t) for t in leaves))
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, dict):  # keys frozen too, ordered by repr: tensors as keys cannot be compared
+        return ("dict", tuple(sorted(((_freeze(k), _freeze(v)) for k, v in value.items()), key=repr)))
     if isinstance(value, (set, frozenset)):  # in a fixed order: a signature's repr is the same in every process
         return ("set", tuple(sorted((_freeze(v) for v in value), key=repr)))
     try:
