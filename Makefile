@@ -28,8 +28,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check hocompile tests examples benchmarks
 	$(BIN)/mypy hocompile --ignore-missing-imports
 
-# Two workers, one test file each at a time (module fixtures stay per file): 12 min on the 2-core
-# machine without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2), 23 min in one process.
+# Two workers, one test file each at a time (module fixtures stay per file): 13.5 min on the 2-core
+# machine without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2), 11-13 min with them.
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
