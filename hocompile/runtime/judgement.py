@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import unwrapped_step
 from .judgement_modes import Boundaries, Rounding
+from .verify import put_back
 
 SPREAD_FACTOR = 4.0  # the candidate may sit this far beyond the farthest probe
 FLOOR = 1e-5  # ‖update‖ share always allowed: fp32 rounding of an update computed another way
@@ -220,15 +221,7 @@ class _Snapshot:
                 setattr(opt, key, value)
             yield
         finally:
-            opt.state = saved_state
-            for group, saved in zip(opt.param_groups, saved_groups):
-                group.clear()
-                group.update(saved)
-            for key in set(vars(opt)) - set(saved_attrs):
-                delattr(opt, key)
-            for key, value in saved_attrs.items():
-                if vars(opt).get(key) is not value:
-                    setattr(opt, key, value)
+            put_back(opt, saved_state, saved_groups, saved_attrs)
 
 
 def _copied(value: Any) -> Any:

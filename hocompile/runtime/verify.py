@@ -312,21 +312,28 @@ def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
         ]
         attrs_after = {k: vars(opt)[k] for k in attr_keys if isinstance(vars(opt).get(k), torch.Tensor)}
     finally:
-        opt.state = saved_state
-        for group, saved in zip(groups, saved_groups):
-            group.clear()
-            group.update(saved)
-        for key in set(vars(opt)) - set(saved_attrs):
-            delattr(opt, key)
-        for key, value in saved_attrs.items():
-            if vars(opt).get(key) is not value:
-                setattr(opt, key, value)
+        put_back(opt, saved_state, saved_groups, saved_attrs)
     if _versions(opt) != versions:
         raise VerificationError(
             f"verify: {type(opt).__name__}.step changed the optimizer's own tensors while running on copies "
             "(it holds references outside param_groups and state); it cannot be verified against eager"
         )
     return _Mirror(copies, state, after, group_after, attrs_after)
+
+
+def put_back(
+    opt: torch.optim.Optimizer, state: Any, groups: list[dict[str, Any]], attrs: dict[str, Any]
+) -> None:
+    """Give ``opt`` back the state dict, group contents and attributes an eager run on copies replaced."""
+    opt.state = state
+    for group, saved in zip(opt.param_groups, groups):
+        group.clear()
+        group.update(saved)
+    for key in set(vars(opt)) - set(attrs):
+        delattr(opt, key)
+    for key, value in attrs.items():
+        if vars(opt).get(key) is not value:
+            setattr(opt, key, value)
 
 
 def _copy_param(p: torch.Tensor) -> torch.Tensor:
