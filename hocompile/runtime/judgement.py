@@ -34,6 +34,7 @@ What it cannot do: catch an error smaller than eager's own spread. The
 verdict reports that spread, so "passed at 0.9 of the update" reads as what it
 is. References run op by op (``torch.compiler`` stance ``force_eager``), so
 an optimizer's ``torch.compile``'d helpers are judged by their Python code.
+Both modes live in judgement_modes.py.
 """
 
 from __future__ import annotations
