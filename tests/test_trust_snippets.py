@@ -26,9 +26,14 @@ from hocompile import CaptureError
 STEPS = 10
 
 
-class SkipFrozen(torch.optim.Optimizer):
+class LrOnly(torch.optim.Optimizer):
+    """The snippets' shared constructor: one hyperparameter, ``lr``."""
+
     def __init__(self, params: Any, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
+
+
+class SkipFrozen(LrOnly):
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -39,11 +44,9 @@ class SkipFrozen(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
-class ReadsAttributes(torch.optim.Optimizer):
+class ReadsAttributes(LrOnly):
     """Splits "QKV" params in three along ``partition_dim`` and normalises each part (Megatron-like)."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -58,9 +61,7 @@ class ReadsAttributes(torch.optim.Optimizer):
                 p.add_(g, alpha=-group["lr"])
 
 
-class HostArithmetic(torch.optim.Optimizer):
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
+class HostArithmetic(LrOnly):
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -164,9 +165,7 @@ def test_a_changed_attribute_or_flag_recompiles_with_its_name(tmp_path: Path) ->
     assert "param_groups[0]['params'][3].requires_grad changed True -> False" in reasons, reasons
 
 
-class ReadsTensorAttribute(torch.optim.Optimizer):
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 0.1})
+class ReadsTensorAttribute(LrOnly):
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -174,9 +173,7 @@ class ReadsTensorAttribute(torch.optim.Optimizer):
             p.add_(p.main_grad, alpha=-0.1)
 
 
-class SetsAttribute(torch.optim.Optimizer):
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 0.1})
+class SetsAttribute(LrOnly):
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -206,11 +203,9 @@ def test_what_is_not_modelled_is_refused_naming_it_before_anything_changes(
     assert all(not hasattr(p, "seen") for p in params)
 
 
-class BoundCollective(torch.optim.Optimizer):
+class BoundCollective(LrOnly):
     """All-reduces its grads through a name bound at import (Megatron-style module-level imports)."""
 
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 0.1})
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -240,9 +235,7 @@ def test_a_collective_the_trace_cannot_follow_is_refused_naming_it(tmp_path: Pat
         dist.destroy_process_group()
 
 
-class CountsTags(torch.optim.Optimizer):
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 0.1})
+class CountsTags(LrOnly):
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
