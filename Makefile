@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	# emerging-optimizers 0.3.0 declares Python >= 3.12 but runs on 3.11; pinned (a 999.9.9 placeholder
 	# exists). It imports triton (above) for its optional SYRK kernels.
 	$(BIN)/pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py
+	# megatron-core 0.19.2 (cp311 wheel, declares Python >= 3.12): tests/test_megatron.py compiles its Muon.
+	# Its other needs here are packaging and triton (above); without apex or Transformer Engine it falls back.
+	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	touch $(STAMP)
 
 demo: $(STAMP)

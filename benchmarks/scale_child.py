@@ -150,7 +150,9 @@ def _compile_entries(compiled: list[Any]) -> list[dict[str, Any]]:
                 "capture_s": getattr(captured, "trace_seconds", None), "passes_s": getattr(entry, "pass_seconds", None),
                 "lower_s": getattr(entry, "lower_seconds", None), "fallback": getattr(entry, "fallback", ""),
                 "warm": bool(getattr(entry, "warm", "")),
-                "verify_s": getattr(getattr(entry, "verification", None), "seconds", 0.0),
+                # checking against eager: verify='s (fp64 references) and the self-check's (on copies)
+                "verify_s": getattr(getattr(entry, "verification", None), "seconds", 0.0)
+                + getattr(getattr(entry, "self_check", None), "seconds", 0.0),
                 "key": str(getattr(lowered, "key", ""))[:24], "from_disk": getattr(lowered, "from_disk", None),
                 "plans": _plans(getattr(entry, "decisions", [])),
             })

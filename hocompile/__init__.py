@@ -24,6 +24,7 @@ from .runtime.compiled_optimizer import LinAlgFallbackWarning, RecompileLimitWar
 from .runtime.explain import explain
 from .runtime.judgement import Verdict, judge_step
 from .runtime.plan import plan
+from .runtime.self_check import SelfCheckWarning
 from .runtime.verify import VerificationError
 from .settings import Backend, Distributed, Fallback, Precision, Settings
 from .targets import Target
@@ -57,6 +58,7 @@ def compile_optimizer(
     tp_mode: str = "auto",
     stamp: bool | None = None,
     warm_start: bool | None = None,
+    self_check: bool | None = None,
 ) -> CompiledOptimizer:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -148,6 +150,14 @@ def compile_optimizer(
             eager on copies (a mismatch recompiles); default False
             (``HOCOMPILE_WARM_START=1`` turns it on): loading and that
             check cost more than a cold compile at every size measured.
+        self_check: check every compiled program against the eager step on
+            its steps 1, 2, 4, …, 512 and every 1,000th after, on copies of
+            two params per parameter class, before the real step runs
+            (default True; ``HOCOMPILE_SELF_CHECK=0`` turns it off). A
+            mismatch issues a :class:`SelfCheckWarning` naming the param,
+            tensor and difference, and that program runs eagerly from then
+            on; nothing of the compiled step is applied. Its cost, averaged
+            over 1,000 steps, is in the README (benchmarks/self_check.py).
         cache_dir, dump_dir, disable_passes, debug: override the
             ``HOCOMPILE_CACHE_DIR``, ``HOCOMPILE_DUMP_DIR``,
             ``HOCOMPILE_DISABLE_PASSES`` and ``HOCOMPILE_DEBUG`` settings.
@@ -179,6 +189,7 @@ def compile_optimizer(
         tp_mode=tp_mode,
         stamp=stamp,
         warm_start=warm_start,
+        self_check=self_check,
     )
     if settings.distributed == Distributed.REPLICATED and not (
         torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -209,6 +220,7 @@ __all__ = [
     "LinAlgFallbackWarning",
     "Precision",
     "RecompileLimitWarning",
+    "SelfCheckWarning",
     "Settings",
     "Target",
     "UnsupportedParameterError",

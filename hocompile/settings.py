@@ -11,6 +11,9 @@
   first steps (runtime/verify.py): ``1``/``true``/``on`` for the default
   number (3), another integer N for N steps, ``0``/``false``/``off`` (or
   unset) for none.
+- ``HOCOMPILE_SELF_CHECK``: ``0``/``false``/``off`` turns off the sampled
+  check of every compiled program against eager on its steps 1, 2, 4, …,
+  512 and every 1,000th after (runtime/self_check.py); on by default.
 - ``HOCOMPILE_STAMP``: ``0``/``false``/``off`` traces every param of a step
   instead of one representative per parameter class (classes/stamp.py); on
   by default.
@@ -125,6 +128,7 @@ class Settings:
     tp_mode: str = "auto"  # NS of a sharded (DTensor) matrix: "auto" (cost model) or one of TP_MODES' others
     stamp: bool = True  # trace one representative per parameter class where the step is proved separable
     warm_start: bool = False  # load compiled steps of earlier processes from cache_dir (runtime/warm.py)
+    self_check: bool = True  # check each program against eager on a sample of its steps (runtime/self_check.py)
 
     def __post_init__(self) -> None:
         # Settings(...) built directly may hold the plain strings: store the members
@@ -160,6 +164,7 @@ class Settings:
         tp_mode: str = "auto",
         stamp: bool | None = None,
         warm_start: bool | None = None,
+        self_check: bool | None = None,
     ) -> Settings:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -224,6 +229,11 @@ class Settings:
                 os.environ.get("HOCOMPILE_WARM_START", "").strip().lower() not in _VERIFY_OFF
                 if warm_start is None
                 else bool(warm_start)
+            ),
+            self_check=(
+                os.environ.get("HOCOMPILE_SELF_CHECK", "").strip().lower() not in _VERIFY_OFF[1:]
+                if self_check is None
+                else bool(self_check)
             ),
         )
         if debug_level:

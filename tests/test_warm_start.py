@@ -68,7 +68,7 @@ print(json.dumps({{
     "warm": compiled.counters.warm_starts,
     "compiles": compiled.counters.compiles,
     "stamped": [e.stamped is not None for e in compiled.history],
-    "verified": [e.verification.steps for e in compiled.history],
+    "verified": [e.verification.steps + e.self_check.checks for e in compiled.history],
     "stale": [e.fallback for e in compiled.history],
 }}))
 '''
@@ -97,7 +97,8 @@ def test_a_new_process_loads_the_steps_checks_them_and_matches_eager(tmp_path: P
     assert first == {**first, "same": True, "warm": 0, "compiles": 2, "stamped": [True, True]}
     second = _run(tmp_path)
     assert second["same"] and second["warm"] == 2 and second["compiles"] == 2
-    assert second["verified"] == [1, 1]  # each loaded step's first step was checked against eager
+    # each loaded step's first step was checked against eager (by the self-check: sampled, on copies)
+    assert all(checked >= 1 for checked in second["verified"]), second["verified"]
     assert second["stale"] == ["", ""]
 
 

@@ -35,6 +35,7 @@ from ..host_scalars import CaptureError
 from ..host_state import HostSlot
 from ..passes import Pass
 from ..settings import Fallback, Settings
+from .checked_run import run_checked
 from .compile_step import compile_step, params_device, resolve_backend, step_pipeline
 from .entries import (
     _FORWARDED,
@@ -50,7 +51,6 @@ from .fast_guard import FastGuard
 from .guards import Signature, describe_change, signature
 from .stamped import broken_guard
 from .validate import UnsupportedParameterError, validate
-from .verify import run_step
 
 __all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "LinAlgFallbackWarning", "RecompileLimitWarning"]
 
@@ -328,7 +328,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             self._created_state = self._state_keys() != keys_before
             return
         try:
-            run_step(self, entry, env)  # self._run, checked against eager for the first `verify` steps
+            run_checked(self, entry, env)  # self._run; checked against eager on verify='s and the self-check's steps
         except torch.linalg.LinAlgError as exc:
             if not entry.fenced:
                 raise

@@ -18,6 +18,7 @@ from ..graph import InputSlot
 from ..host_state import MISSING
 from ..lowering import LoweredStep
 from ..passes import PassRecord
+from .self_check import SelfCheck
 from .stamped import StampedRun, run_stamped
 from .verify import Verification
 
@@ -111,6 +112,7 @@ class CompiledEntry:
     decisions: list[str] = field(default_factory=list)  # per-op plans, for explain()
     final_stats: dict[str, int] = field(default_factory=dict)
     verification: Verification = field(default_factory=Verification)  # verify=N: steps checked against eager
+    self_check: SelfCheck = field(default_factory=SelfCheck)  # the sampled check, on by default (self_check.py)
     fenced: bool = False  # a LinAlgError it raises has written nothing (compile_step.CompiledStep.fenced)
     # Traced on one representative per parameter class (classes/stamp.py): how its programs run per
     # member; else None, and ``stamp_note`` says why the step was traced whole.

@@ -76,6 +76,9 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
     lines += _stamping(entry)
     if entry.verification.steps:  # verify=N (runtime/verify.py)
         lines.append(f"  {entry.verification.describe()}" + ("; runs eagerly from then on" if entry.fallback else ""))
+    checked = entry.self_check  # runtime/self_check.py
+    if checked.runs and (checked.checks or checked.skipped):
+        lines.append(f"  {checked.describe()}" + ("; runs eagerly from then on" if checked.failed else ""))
     final = entry.final_stats
     if final:
         lines.append(

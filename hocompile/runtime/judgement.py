@@ -136,11 +136,11 @@ def judge(
             out.append(TensorVerdict(name, True, 0.0 if same else math.inf, 0.0, 0.0,
                                      "" if same else "differs where eager's arithmetic is kept (bound: bitwise)"))
             continue
-        out.append(_judge_tensor(name, got, want, [p[name] for p in probes], before.get(name)))
+        out.append(judge_tensor(name, got, want, [p[name] for p in probes], before.get(name)))
     return out
 
 
-def _judge_tensor(
+def judge_tensor(
     name: str, got: torch.Tensor, want: torch.Tensor, probes: list[torch.Tensor], t0: torch.Tensor | None
 ) -> TensorVerdict:
     c, e = got.detach().double(), want.detach().double()

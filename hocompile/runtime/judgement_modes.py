@@ -47,16 +47,25 @@ class Rounding(TorchDispatchMode):
     def __init__(self, seed: int, ulps: float = PROBE_ULPS) -> None:
         super().__init__()
         self.seed, self.ulps = seed, ulps
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._pools: dict[torch.device, tuple[torch.Tensor, int]] = {}  # uniform noise, and where to read next
+
+    def _uniform(self, n: int, device: torch.device) -> torch.Tensor:
+        """``n`` values uniform in [-1, 1), read from a seeded pool at a moving offset: drawing a fresh
+        tensor per op cost as much as the op itself on the large GEMMs of a step."""
+        pool, offset = self._pools.get(device, (None, 0))
+        if pool is None or pool.numel() < 2 * n + 1:
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            pool = torch.rand(max(2 * n + 1, 1 << 16), generator=gen, device=device, dtype=torch.float32) * 2 - 1
+            offset = 0
+        start = offset % (pool.numel() - n + 1)
+        self._pools[device] = (pool, offset + 7919 * 31 + n)  # another window for the next op
+        return pool[start : start + n]
 
     def _noise(self, x: torch.Tensor) -> torch.Tensor:
-        gen = self._generators.get(x.device)
-        if gen is None:
-            gen = self._generators[x.device] = torch.Generator(device=x.device).manual_seed(self.seed)
-        xi = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) * 2 - 1
         mag = x.detach().float().abs()
         unit = float(torch.finfo(x.dtype).eps) / 2
-        return (xi * (mag + mag.mean()) * (unit * self.ulps)).to(x.dtype)
+        noise = mag.add_(mag.mean()).mul_(self._uniform(x.numel(), x.device).view(x.shape))
+        return noise.mul_(unit * self.ulps).to(x.dtype)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -281,14 +281,14 @@ def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
     """Run ``opt``'s own step on copies; every Python-level change it makes to ``opt`` is undone
     (``host``: Python values whose new value is read before that, to compare with the compiled step's)."""
     groups = opt.param_groups
-    copies = [[_copy_param(p) for p in group["params"]] for group in groups]
+    copies = [[copy_param(p) for p in group["params"]] for group in groups]
     state: defaultdict[torch.Tensor, dict[Any, Any]] = defaultdict(dict)
     for group, group_copies in zip(groups, copies):
         for p, c in zip(group["params"], group_copies):
             if p in opt.state:
                 state[c] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                             for k, v in opt.state[p].items()}
-    versions = _versions(opt)
+    versions = tensor_versions(opt)
     saved_groups = [dict(group) for group in groups]
     saved_state = opt.state
     saved_attrs = dict(vars(opt))
@@ -313,7 +313,7 @@ def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
         attrs_after = {k: vars(opt)[k] for k in attr_keys if isinstance(vars(opt).get(k), torch.Tensor)}
     finally:
         put_back(opt, saved_state, saved_groups, saved_attrs)
-    if _versions(opt) != versions:
+    if tensor_versions(opt) != versions:
         raise VerificationError(
             f"verify: {type(opt).__name__}.step changed the optimizer's own tensors while running on copies "
             "(it holds references outside param_groups and state); it cannot be verified against eager"
@@ -336,7 +336,7 @@ def put_back(
             setattr(opt, key, value)
 
 
-def _copy_param(p: torch.Tensor) -> torch.Tensor:
+def copy_param(p: torch.Tensor) -> torch.Tensor:
     c = p.detach().clone()
     if isinstance(p, torch.nn.Parameter):
         c = torch.nn.Parameter(c, requires_grad=p.requires_grad)
@@ -350,7 +350,7 @@ def _copy_param(p: torch.Tensor) -> torch.Tensor:
     return c
 
 
-def _versions(opt: torch.optim.Optimizer) -> list[int]:
+def tensor_versions(opt: torch.optim.Optimizer) -> list[int]:
     out: list[int] = []
     for group in opt.param_groups:
         for p in group["params"]:

@@ -1,0 +1,372 @@
+"""The self-check, on by default: every compiled program is checked against eager, on a schedule.
+
+Whatever a capture, a pass or a lowering gets wrong on code no one here wrote
+(a Python attribute the trace did not see, a branch frozen at trace time, a
+wrong plan), it shows as a step that differs from eager's. So each compiled
+program's steps 1, 2, 4, 8, …, 512, and then every 1,000th, are run twice on
+copies before the real step: once as compiled, once as the optimizer's own
+eager step, from the same state. Only then does the real step run, compiled if
+the two agree and eagerly if not, so a mismatch leaves nothing half-applied.
+
+- **A few members per class.** A stamped step (classes/stamp.py) runs one
+  program per parameter class, proved separable: each member's update
+  depends on itself and the step's shared values only. So the check runs both
+  steps on a view of the optimizer holding copies of some members of every
+  class: the first and last on a program's first check (the members the
+  stamp's proof traced), then one a check, a different one each time, so
+  the checks walk through each class. A step traced whole is checked whole.
+- **Within the plan's budget** (judgement.py): where the plan keeps eager's
+  arithmetic, bitwise on the aten lowering (8 units in the last place on the
+  others, whose pointwise kernels contract to FMAs); downstream of a planned
+  op (``hocompile::newton_schulz``), bitwise eager's or within 4× eager's own
+  spread at that point (eager re-run under another summation order, on the
+  members whose planned tensors are not eager's bits) plus 1e-5 of the
+  update. Where the user opted out of eager's precision (``precision=``,
+  ``schedule=``, ``error_budget=``), planned tensors are only held finite
+  where eager's are: ``verify=`` checks those plans against fp64.
+  The Python state the step rewrites (counters in state, groups, attributes)
+  must be equal.
+- **Within 1 % of the step time.** A check that comes due when the program's
+  checks so far, and one more like the last, would cost more than 1 % of its
+  compiled steps' time (plus a second in all) waits until the steps have paid
+  for it; explain() counts the postponed ones. A program's first check
+  always runs.
+- **A mismatch** warns (:class:`SelfCheckWarning`, naming the class, the
+  tensor and the difference) and that program runs eagerly from then on.
+- **Not checked**: programs issuing collectives or over DTensor shards (a
+  rank that checks alone would desynchronise the group), and CUDA-graph
+  replays (they run on the addresses they captured). explain() says so.
+
+The views run with the CPU and CUDA random states restored after each, so
+checking does not move a training run's random stream. Cost: a check runs the
+compiled program once and eager once on the sampled members, and eager once
+more under another summation order where planned tensors are not eager's
+bits; benchmarks/self_check.py measures it against the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..capture import unwrapped_step
+from ..graph import InputSlot
+from .check_view import UnfaithfulView, View, ViewResult, describe_name, same_bits
+from .judgement import judge_tensor
+from .judgement_modes import Boundaries, Rounding
+from .reference_classes import stamped_planned
+from .reference_step import plan_dependent_slots
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+    from .entries import CompiledEntry
+
+log = logging.getLogger("hocompile")
+
+CHECK_EVERY = 1000  # past the doubling steps, one check per this many steps
+# A program's checks may cost this share of its compiled steps' time, plus FREE_SECONDS in all;
+# a check due beyond that waits until the steps have paid for it (its first check always runs).
+BUDGET = 0.01
+FREE_SECONDS = 1.0
+PROBES = 1  # eager re-runs under another summation order, where a planned tensor is not eager's bits
+POINTWISE_ULPS = 8.0  # non-aten lowerings, where the plan keeps eager's arithmetic
+
+
+class SelfCheckWarning(UserWarning):
+    """A compiled program differed from eager on a self-checked step; it runs eagerly from then on."""
+
+
+def due(run: int) -> bool:
+    """Whether a program's ``run``-th step (1-based) is checked: 1, 2, 4, …, 512, then every 1,000th."""
+    return (run < CHECK_EVERY and run & (run - 1) == 0) or run % CHECK_EVERY == 0
+
+
+def check_now(record: SelfCheck) -> bool:
+    """Whether this step of the program is checked: due on the schedule (or postponed earlier), and
+    within the budget with a check like the last one. A check that costs more than the schedule can pay
+    (eager's for-loop AdamW on GPT-2's 38M-element embedding costs 20 compiled steps) runs later
+    rather than not at all: it waits for the credit. A program's first check always runs."""
+    if not (record.pending or due(record.runs)):
+        return False
+    expected = record.each[-1] if record.each else 0.0
+    if record.checks == 0 or record.seconds + expected <= BUDGET * record.step_seconds + FREE_SECONDS:
+        record.pending = False
+        return True
+    if not record.pending:
+        record.postponed += 1
+    record.pending = True
+    return False
+
+
+@dataclass
+class SelfCheck:
+    """What the self-check saw of one compiled program (``CompiledEntry.self_check``)."""
+
+    runs: int = 0  # steps this program was selected for
+    checks: int = 0
+    seconds: float = 0.0  # spent checking, the real step not counted
+    each: list[float] = field(default_factory=list)  # seconds of each check, in order
+    step_seconds: float = 0.0  # the program's compiled steps (checked or not), what the budget is a share of
+    pending: bool = False  # a check came due and waits for the budget
+    postponed: int = 0  # checks that came due beyond the budget and ran later
+    members: int = 0  # members the last check ran (of ``of``)
+    of: int = 0
+    worst: str = ""  # the last check's tensor closest to its bound
+    skipped: str = ""  # why this program is not checked
+    failed: str = ""
+
+    def describe(self) -> str:
+        if self.skipped:
+            return f"self-check: not checked ({self.skipped})"
+        if self.failed:
+            return f"self-check FAILED on step {self.runs}: {self.failed}"
+        if not self.checks:
+            return "self-check: not run yet"
+        each = self.seconds / self.checks
+        head = f"self-check: {self.checks} step(s) checked against eager "
+        head += f"({self.members} of {self.of} params on the last, "
+        head += f"{each * 1e3:.1f} ms per check"
+        if self.postponed:
+            share = self.seconds / self.step_seconds if self.step_seconds else 0.0
+            head += f"; {self.postponed} postponed to keep within {BUDGET:.0%} of step time, now {share:.1%}"
+        return head + f"); {self.worst or 'all bitwise'}"
+
+
+def skip_reason(entry: CompiledEntry, settings: Settings, opt_groups: list[dict[str, Any]]) -> str:
+    """Why ``entry`` cannot be checked on copies ('' where it can)."""
+    captured = entry.captured
+    assert captured is not None
+    if captured.sharded:
+        return "its params are DTensor shards: a check on one rank alone would desynchronise the group"
+    if any("c10d" in str(n.target) or "wait_tensor" in str(n.target) for n in captured.gm.graph.nodes):
+        return "it issues collectives: a check on one rank alone would desynchronise the group"
+    if any(p.device.type == "meta" for g in opt_groups for p in g["params"]):
+        return "its params are on the meta device: there are no values to compare"
+    if settings.cuda_graphs:
+        return "cuda_graphs=True replays on the addresses it captured, not on copies"
+    return ""
+
+
+def check(
+    opt: torch.optim.Optimizer,
+    entry: CompiledEntry,
+    settings: Settings,
+    run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
+) -> str:
+    """Check ``entry`` against eager on copies of a sample of ``opt``'s params; '' if it agrees, else why not.
+
+    ``run(view, entry)`` runs a compiled entry on an optimizer (the view). ``opt`` is left as it was.
+    """
+    record = entry.self_check
+    started = time.perf_counter()
+    keep, remapped = _sample(opt, entry, record.checks)
+    view = View(keep)
+    planned = _planned(entry, settings.fused_updates)
+    opted_out = settings.precision != "auto" or bool(settings.schedule) or settings.error_budget is not None
+    recorder = Boundaries()
+    try:
+        with recorder:  # an error here is the compiled step's own: raised as the real step would (nothing written)
+            got = view.run(opt, lambda o: run(o, remapped))
+    except UnfaithfulView as exc:  # copies cannot stand for what the optimizer holds: not checked, and said
+        record.skipped = f"the check's copies cannot hold what it holds: {exc}"
+        return ""
+    step, recorded = unwrapped_step(opt), recorder.recorded
+
+    def boundaries() -> list[Any]:  # the compiled step's decompositions handed to eager (judgement.py)
+        return [Boundaries(recorded, substitute=True)] if recorded else []
+
+    try:
+        modes = boundaries()
+        reference = view.run(opt, step, modes)
+        if modes and modes[0].unmatched:  # all or nothing: a half-substituted eager is tighter than allowed
+            recorded = []
+            reference = view.run(opt, step)
+        probes: list[ViewResult] = []
+        differ = _differ(got, reference, planned)
+        if differ and not opted_out:
+            # Eager's spread, where it is needed: the members whose planned tensors are not eager's bits.
+            # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
+            around = view if entry.stamped is None else view.only(differ, opt)
+            probes = [
+                around.run(opt, step, boundaries() + [Rounding(1 + k), torch.compiler.set_stance("force_eager")])
+                for k in range(PROBES)
+            ]
+    except Exception as exc:  # noqa: BLE001 - eager's own error: the real eager step raises it again
+        return f"eager's step could not run on copies ({type(exc).__name__}: {exc})"
+    units = 0.0 if entry.lowered is None or entry.lowered.backend == "aten" else POINTWISE_ULPS
+    problems, worst = _compare(got, reference, probes, planned, units, opted_out)
+    record.checks += 1
+    record.members, record.of = sum(map(len, keep)), sum(len(g["params"]) for g in opt.param_groups)
+    record.worst = worst
+    record.each.append(time.perf_counter() - started)
+    record.seconds += record.each[-1]
+    return "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
+def _differ(got: ViewResult, want: ViewResult, planned: Callable[[str], bool]) -> set[tuple[int, int]]:
+    """The members (group, index) with a planned tensor that is not bitwise eager's."""
+    out: set[tuple[int, int]] = set()
+    for name, a in got.tensors.items():
+        b = want.tensors.get(name)
+        if planned(got.entry(name)) and b is not None and not same_bits(a, b):
+            head, _, rest = name.partition(".")
+            index = rest[1:].split(".", 1)[0].split("[", 1)[0]
+            if head.startswith("g") and rest.startswith("p") and index.isdigit():
+                out.add((int(head[1:]), int(index)))
+            else:  # a group or attribute tensor: every member may need it
+                out |= {(g, i) for g, keep in enumerate(got.keep) for i in keep}
+    return out
+
+
+def fail(entry: CompiledEntry, optimizer_name: str, number: int, why: str) -> None:
+    """Record a failed check and warn: the program runs eagerly from now on."""
+    record = entry.self_check
+    record.failed = why
+    entry.fallback = f"self-check against eager failed on step {record.runs}: {why}"
+    message = (
+        f"hocompile: compiled step #{number} of {optimizer_name} ({entry.reason}) differs from eager on its "
+        f"self-checked step {record.runs}: {why}. This step and every later one of this program run eagerly "
+        "(the optimizer holds eager's result; nothing of the compiled step was applied). "
+        "compile_optimizer(..., self_check=False) or HOCOMPILE_SELF_CHECK=0 turns the check off."
+    )
+    log.warning("%s", message)
+    warnings.warn(message, SelfCheckWarning, stacklevel=4)
+
+
+# ------------------------------------------------------------------ which members
+
+
+def _sample(
+    opt: torch.optim.Optimizer, entry: CompiledEntry, checks: int
+) -> tuple[list[list[int]], CompiledEntry]:
+    """Per group, the original indices the view keeps; and ``entry`` renumbered for that view."""
+    run = entry.stamped
+    groups = opt.param_groups
+    if run is None:  # traced whole: checked whole
+        return [list(range(len(g["params"]))) for g in groups], entry
+    keep: list[set[int]] = [set() for _ in groups]
+    picks: list[list[int]] = []
+    for cls in run.stamp.classes:
+        members = cls.members
+        if checks == 0:  # a program's first check: its first and last members, as the stamp's proof traced
+            chosen = sorted({members[0], members[-1]})
+        else:  # then one a check, another each time: over a run, the checks walk through the class
+            chosen = [members[(checks * 7919) % len(members)]]
+        picks.append(chosen)
+        keep[cls.group] |= set(chosen)
+    for g, group in enumerate(groups):  # the stamp's proof ran with every param without a grad in the view
+        keep[g] |= {i for i, p in enumerate(group["params"]) if p.grad is None}
+    kept = [sorted(k) for k in keep]
+    position = [{i: pos for pos, i in enumerate(k)} for k in kept]
+    classes = tuple(
+        dataclasses.replace(cls, members=tuple(position[cls.group][i] for i in chosen))
+        for cls, chosen in zip(run.stamp.classes, picks)
+    )
+    stamp = dataclasses.replace(run.stamp, classes=classes)
+    remapped = dataclasses.replace(entry, stamped=dataclasses.replace(run, stamp=stamp, _memo={}))
+    return kept, remapped
+
+
+def _planned(entry: CompiledEntry, fused_updates: bool) -> Callable[[str], bool]:
+    """Whether a tensor (by its entry's name in ``_View``) may differ from eager by rounding: downstream of a
+    planned op, or anywhere in a step whose torch.compile'd helpers were traced by their Python code
+    (eager runs Inductor's kernels there, which round otherwise: executed_files.compiled_helpers_note),
+    or with ``fused_updates=True`` (torch's fused AdamW/SGD kernels: within 1e-6 of eager, not bitwise)."""
+    assert entry.captured is not None
+    if any("wrapped in torch.compile" in note for note in entry.captured.notes) or fused_updates:
+        return lambda name: True
+    slots = stamped_planned(entry.stamped) if entry.stamped is not None else plan_dependent_slots(entry)
+    names = frozenset(_slot_name(s) for s in slots)
+    return names.__contains__
+
+
+def _slot_name(slot: InputSlot) -> str:
+    if slot.kind == "param":
+        return f"g{slot.group}.p{slot.index}"
+    if slot.kind == "grad":
+        return f"g{slot.group}.p{slot.index}.grad"
+    if slot.kind == "state":
+        return f"g{slot.group}.p{slot.index}.{slot.key}"
+    if slot.kind == "group":
+        return f"g{slot.group}.{slot.key}"
+    return f"attr.{slot.key}"
+
+
+# ------------------------------------------------------------------ comparing
+
+
+def _compare(
+    got: ViewResult, want: ViewResult, probes: list[ViewResult], planned: Callable[[str], bool], units: float,
+    opted_out: bool,
+) -> tuple[list[str], str]:
+    """Problems (one line each) and a line on the planned tensor closest to its bound."""
+    problems: list[str] = []
+    worst, worst_share = "", -1.0
+    for name in sorted(set(got.host) | set(want.host)):
+        a, b = got.host.get(name, "<absent>"), want.host.get(name, "<absent>")
+        if not _equal(a, b):
+            problems.append(f"{describe_name(name)} is {a!r}, eager's {b!r}")
+    for name in sorted(set(got.tensors) | set(want.tensors)):
+        a, b = got.tensors.get(name), want.tensors.get(name)
+        if a is None or b is None:
+            if not name.endswith(".grad"):  # a grad's presence is in host
+                problems.append(f"{want.where(name)} is {'absent' if a is None else 'present'}, eager's "
+                                f"{'absent' if b is None else 'present'}")
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            problems.append(f"{want.where(name)} is {a.dtype} {tuple(a.shape)}, eager's {b.dtype} {tuple(b.shape)}")
+            continue
+        if not planned(want.entry(name)) or not b.is_floating_point():
+            problem = _pointwise(a, b, units)
+            if problem:
+                problems.append(f"{want.where(name)} {problem}")
+            continue
+        if opted_out or not probes:
+            if not torch.equal(a.isfinite(), b.isfinite()):
+                problems.append(f"{want.where(name)} is non-finite where eager's is finite (or the reverse)")
+            continue
+        spread = [p.tensors[name] for p in probes if name in p.tensors]
+        verdict = judge_tensor(name, a, b, spread, want.before.get(want.entry(name)))
+        if verdict.problem:
+            problems.append(f"{want.where(name)} is {verdict.problem}")
+        share = verdict.error / verdict.bound if verdict.bound > 0 else math.inf * (verdict.error > 0)
+        if share > worst_share:
+            worst_share = share
+            worst = (f"worst {want.where(name)}: {verdict.error:.2g} of its update from eager's, "
+                     f"bound {verdict.bound:.2g} (eager's own spread {verdict.spread:.2g})")
+    return problems, worst
+
+
+def _pointwise(a: torch.Tensor, b: torch.Tensor, units: float) -> str:
+    if torch.equal(a, b):
+        return ""
+    same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+    if bool(same.all()):
+        return ""
+    if not a.is_floating_point():
+        return "differs from eager's (integer values, bound: equal)"
+    diff = float(torch.where(same, 0.0, (a.double() - b.double()).abs()).max())
+    scale = max(float(b.double().abs().max()), torch.finfo(b.dtype).tiny)
+    if units and diff / scale <= units * float(torch.finfo(b.dtype).eps) / 2:
+        return ""
+    bound = "bitwise equal" if not units else f"{units:g} ulps"
+    return f"differs where the plan keeps eager's arithmetic: max |Δ| {diff / scale:.3g} of max |eager| ({bound})"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are not Python state
+        return True
