@@ -22,7 +22,7 @@ from hocompile.runtime import CompiledOptimizer
 from hocompile.runtime.self_check import BUDGET, CHECK_EVERY, FREE_SECONDS, SelfCheck, check_now, due
 from hocompile.settings import Settings
 
-from .test_trust_snippets import LrOnly
+from .test_trust_snippets import LrOnly, ReadsAttributes
 from .test_verify import AVX2_LIKE, DropLastIteration, PerturbFirstMul, _wrong
 
 SHAPES = [(24, 40)] * 5 + [(40, 24)] * 3  # two classes of several members: a check samples two of each
@@ -128,21 +128,6 @@ def test_a_wrong_elementwise_op_is_caught_bitwise(cache_dir: Any) -> None:
     _state_bitwise(eager, compiled)
 
 
-class SplitsQKV(LrOnly):
-    """Megatron-like: a param tagged ``is_qkv`` is normalised per third."""
-
-    @torch.no_grad()
-    def step(self) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if getattr(p, "is_qkv", False):
-                    g = torch.cat([x / x.norm() for x in g.chunk(3, dim=0)])
-                else:
-                    g = g / g.norm()
-                p.add_(g, alpha=-group["lr"])
-
-
 def _tagged(seed: int) -> list[torch.nn.Parameter]:
     params = _params([(24, 8)] * 6 + [(8, 8)] * 2, seed)
     for p in params[:6]:
@@ -155,8 +140,8 @@ def test_a_lost_attribute_is_caught(cache_dir: Any, monkeypatch: Any) -> None:
     from hocompile import stand_ins
 
     monkeypatch.setattr(stand_ins, "install", lambda stand_in, real, where: {})
-    eager = SplitsQKV(_tagged(0))
-    compiled = hocompile.compile_optimizer(SplitsQKV(_tagged(0)), cache_dir=cache_dir)
+    eager = ReadsAttributes(_tagged(0))  # Megatron-like: a param tagged is_qkv is normalised per third
+    compiled = hocompile.compile_optimizer(ReadsAttributes(_tagged(0)), cache_dir=cache_dir)
     with pytest.warns(SelfCheckWarning, match="differs where the plan keeps eager's arithmetic"):
         diffs = _run(eager, compiled, 4)
     assert diffs == [0.0] * 4

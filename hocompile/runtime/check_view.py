@@ -22,7 +22,7 @@ import torch
 
 from ..containers import flatten, holds_tensors
 from ..stand_ins import real_id
-from .verify import copy_param, put_back, tensor_versions
+from .verify import copy_param, put_back, require_untouched, tensor_versions
 
 
 @dataclass
@@ -105,11 +105,7 @@ class View:
             result = self._collect(opt, copies, before)
         finally:
             put_back(opt, saved_state, saved_groups, saved_attrs)
-        if tensor_versions(opt) != versions:
-            raise RuntimeError(
-                f"{type(opt).__name__}.step changed the optimizer's own tensors while running on copies "
-                "(it holds references outside param_groups and state)"
-            )
+        require_untouched(opt, versions, RuntimeError)
         return result
 
     def _collect(self, opt: torch.optim.Optimizer, copies: list[list[torch.Tensor]], before: dict) -> ViewResult:

@@ -313,11 +313,7 @@ def eager_step(opt: torch.optim.Optimizer, host: list[HostSlot]) -> _Mirror:
         attrs_after = {k: vars(opt)[k] for k in attr_keys if isinstance(vars(opt).get(k), torch.Tensor)}
     finally:
         put_back(opt, saved_state, saved_groups, saved_attrs)
-    if tensor_versions(opt) != versions:
-        raise VerificationError(
-            f"verify: {type(opt).__name__}.step changed the optimizer's own tensors while running on copies "
-            "(it holds references outside param_groups and state); it cannot be verified against eager"
-        )
+    require_untouched(opt, versions, VerificationError, "verify: ", "; it cannot be verified against eager")
     return _Mirror(copies, state, after, group_after, attrs_after)
 
 
@@ -348,6 +344,17 @@ def copy_param(p: torch.Tensor) -> torch.Tensor:
     # copy must take the same branches, or eager on copies is another step (stand_ins.py).
     c.__dict__.update(p.__dict__)
     return c
+
+
+def require_untouched(
+    opt: torch.optim.Optimizer, versions: list[int], error: type[Exception], prefix: str = "", suffix: str = ""
+) -> None:
+    """Raise ``error`` if an eager run on copies changed the optimizer's own tensors (``tensor_versions``)."""
+    if tensor_versions(opt) != versions:
+        raise error(
+            f"{prefix}{type(opt).__name__}.step changed the optimizer's own tensors while running on copies "
+            f"(it holds references outside param_groups and state){suffix}"
+        )
 
 
 def tensor_versions(opt: torch.optim.Optimizer) -> list[int]:
