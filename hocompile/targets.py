@@ -7,8 +7,13 @@ data-sheet rates (``GPU_GFLOPS``, sm80 to sm103; ``device_arch`` names a
 device's row); a CPU is measured once — small fp32/bf16/fp16 matmuls, a
 fraction of a second — and the result cached in the cache directory. Measured on this project's 2-core
 AVX2 CPUs: fp32 ~90 GFLOP/s, bf16 ~0.7 GFLOP/s (no bf16 GEMM in hardware),
-while CPUs with AMX/AVX512-BF16 run bf16 faster than fp32. Nothing about a
-target is assumed that can be measured.
+while CPUs with AMX/AVX512-BF16 run bf16 faster than fp32.
+
+What a plan computes never rests on these measurements: which dtypes have
+GEMM units (and how fast they are relative to fp32) is declared by the CPU's
+ISA flags (``declared_ratios``), and only the fp32 rate is read from the
+measurement, scaling every prediction alike. So two processes on one kind of
+CPU plan the same numerics however busy each was while measuring.
 
 Calibrate on an idle machine: under load, multi-threaded GEMMs slow down
 unevenly (measured here: fp32 MKL fell from ~90 to ~2 GFLOP/s while another
@@ -33,11 +38,10 @@ import torch
 
 from . import dtypes
 from .diskcache import read_json, write_json
-from .newton_schulz import Arith
 
 # The GEMM dtypes a CPU is measured in (names of hocompile.dtypes; rate tables are keyed by them).
 _MEASURED = ("fp32", "bf16", "fp16")
-_CALIBRATION_VERSION = 4
+_CALIBRATION_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -60,15 +64,34 @@ class Target:
     # cached in ``cache_dir``; any other target is planned by the rates above.
     measured: bool = False
     cache_dir: Path | None = None
+    # Declared GEMM rates relative to fp32, by dtype name (the measured CPU: from its ISA flags,
+    # ``declared_ratios``). Where set, every plan reads its rates from these and the measured fp32
+    # rate: the ranking of dtypes (what a plan computes in) is then a fact of the CPU's kind, not
+    # of how busy it was while measured (under load fp32 read 4 GFLOP/s next to bf16's 800).
+    ratios: dict[str, float] = field(default_factory=dict)
 
     def throughput(self, dtype: torch.dtype) -> float:
         """GEMM GFLOP/s in ``dtype``; a dtype without a rate here runs at the fp32 rate."""
-        return self.gflops.get(dtypes.name(dtype), self.gflops.get("fp32", 1.0))
+        return self._rate(dtypes.name(dtype))
 
     def rate(self, fmt: str) -> float:
         """GEMM GFLOP/s for an operand format name ("fp8_e4m3" uses the "fp8" rate, "mxfp8_*" "mxfp8")."""
-        key = fmt.split("_")[0] if fmt.startswith(("fp8", "mxfp8")) else fmt
-        return self.gflops.get(key, self.gflops.get("fp32", 1.0))
+        return self._rate(fmt.split("_")[0] if fmt.startswith(("fp8", "mxfp8")) else fmt)
+
+    def planning_throughput(self, dtype: torch.dtype) -> float:
+        """GFLOP/s for choices that change what a step computes and weigh compute against something
+        else (tensor-parallel modes: GEMMs vs collectives). The CPU running the step: a nominal rate
+        per core (NOMINAL_CORE_GFLOPS) times its threads, times the declared ratio, the same however
+        busy the machine was when measured; any other target: its table."""
+        if not (self.measured and self.ratios):
+            return self.throughput(dtype)
+        return NOMINAL_CORE_GFLOPS * torch.get_num_threads() * self.ratios.get(dtypes.name(dtype), 1.0)
+
+    def _rate(self, key: str) -> float:
+        fp32 = self.gflops.get("fp32", 1.0)
+        if self.ratios:
+            return fp32 * self.ratios.get(key, 1.0)
+        return self.gflops.get(key, fp32)
 
     def schedule_formats(self) -> tuple[str, ...]:
         """Formats a schedule may use: the declared ones, else the fast dtypes measured here."""
@@ -82,6 +105,11 @@ class Target:
 
     def describe(self) -> str:
         batched = "bmm" if self.prefers_batched else "loop of mm"
+        if self.ratios:
+            fast = [k for k, v in sorted(self.ratios.items()) if v >= 1.0 and k != "fp32"]
+            declared = f"; fast GEMM dtypes by ISA: {', '.join(['fp32', *fast])}"
+            rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gflops.items()))
+            return f"{self.name} (GEMM GFLOP/s measured: {rates}{declared}; stacks run as {batched})"
         if self.gflops and min(self.gflops.values()) >= 1000:
             rates = ", ".join(f"{k} {v / 1000:g}" for k, v in sorted(self.gflops.items()))
             return f"{self.name} (GEMM TFLOP/s: {rates}; stacks run as {batched})"
@@ -131,54 +159,86 @@ def _measure(dtype: torch.dtype, size: int = 256, repeats: int = 5, window_s: fl
     return 2 * size**3 / best / 1e9
 
 
-def _measure_symmetric(m: int = 768, n: int = 2048, repeats: int = 5) -> float:
-    """Dense ``X Xᵀ`` time over 4x4-blocked lower-triangle time, fp32 (the aten lowering's two options).
-
-    Interleaved, best of ``repeats`` each: a busy neighbour slows both alike.
-    """
-    x = torch.randn(m, n)
-    blocked = Arith(torch.float32, "native", torch.float32, blocks=4)
-    dense_best = blocked_best = float("inf")
-    for _ in range(repeats + 1):  # the first round warms up
-        start = time.perf_counter()
-        x @ x.mT
-        middle = time.perf_counter()
-        blocked.sym(x, x.mT)
-        end = time.perf_counter()
-        dense_best, blocked_best = min(dense_best, middle - start), min(blocked_best, end - middle)
-    return dense_best / blocked_best
-
-
 def cpu_target(cache_dir: Path | None) -> Target:
     """This CPU, calibrated (cached per CPU model, torch version and threads)."""
     path = cache_dir / f"target-cpu-{_cpu_id()}.json" if cache_dir is not None else None
     cached = read_json(path, _calibration_from_json) if path is not None else None
     if cached is not None:
-        return replace(cached, measured=True, cache_dir=cache_dir)
+        return replace(cached, measured=True, cache_dir=cache_dir, ratios=declared_ratios())
     gflops = {name: _measure(dtypes.dtype(name)) for name in _MEASURED}
-    symmetric = _measure_symmetric()
     # A CPU never prefers stacks: measured here, a GPT-2 layer's step took
     # 0.73 s batched vs 0.76 s unbatched (noise), while stacking 24 layers of
     # d=1024 matrices raised the step's peak memory from ~130 MB to 708 MB.
     batched = False
     if path is not None:
         # Unwritable: warned once inside, and this process keeps measuring per compile.
-        write_json(path, {"gflops": gflops, "prefers_batched": batched, "symmetric": symmetric})
-    return Target("cpu", gflops, batched, symmetric_speedup=symmetric, measured=True, cache_dir=cache_dir)
+        write_json(path, {"gflops": gflops, "prefers_batched": batched})
+    # No symmetric row blocks: they round differently from eager's dense products, and whether
+    # they pay is no rule of the shape here (768×2304 bf16: 1.17x; 1024×4096: 0.82x; 2048²: 0.47x).
+    return Target("cpu", gflops, batched, measured=True, cache_dir=cache_dir, ratios=declared_ratios())
+
+
+# fp32 GEMM GFLOP/s per core for planning_throughput: this project's 2-core machines measured 42 (AVX2),
+# 90 (AVX-512) and 170 (AMX) per core; a middle value, so a choice never rests on a measurement.
+NOMINAL_CORE_GFLOPS = 90.0
+
+# oneDNN's ISA caps in increasing order (ONEDNN_MAX_CPU_ISA): a cap below a level hides its units.
+_ONEDNN_ISAS = (
+    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+)
+# Relative to fp32, as measured on this project's machines (256³-768³ GEMMs): AMX-BF16 2.5x,
+# AVX-512-BF16 1.9x, AVX-512-FP16 0.85x; without the units a half GEMM is emulated, ~100x slower.
+_UNIT_RATIOS = (
+    ("bf16", "amx_bf16", "AVX512_CORE_AMX", 2.5),
+    ("bf16", "avx512_bf16", "AVX512_CORE_BF16", 1.9),
+    ("fp16", "amx_fp16", "AVX512_CORE_AMX_FP16", 2.5),
+    ("fp16", "avx512_fp16", "AVX512_CORE_FP16", 0.85),
+)
+_EMULATED = 0.01
+
+
+def declared_ratios(flags: frozenset[str] | None = None, cap: str | None = None) -> dict[str, float]:
+    """This CPU's half-precision GEMM rates relative to fp32, from its ISA flags and oneDNN's cap.
+
+    A rule, not a measurement: two processes on one kind of CPU plan alike however loaded.
+    """
+    flags = _cpu_flags() if flags is None else flags
+    if cap is None:
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "") or os.environ.get("DNNL_MAX_CPU_ISA", "")
+    cap = cap.upper()
+    allowed = len(_ONEDNN_ISAS) if cap in ("", "ALL", "DEFAULT") or cap not in _ONEDNN_ISAS else (
+        _ONEDNN_ISAS.index(cap) + 1
+    )
+    ratios = {"fp32": 1.0, "bf16": _EMULATED, "fp16": _EMULATED}
+    for dtype, flag, isa, ratio in reversed(_UNIT_RATIOS):  # the best unit present wins
+        if flag in flags and _ONEDNN_ISAS.index(isa) < allowed:
+            ratios[dtype] = ratio
+    return ratios
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def _calibration_from_json(data: object) -> Target:
     """The Target a calibration file describes; ValueError unless it has exactly the shape cpu_target writes."""
-    if not isinstance(data, dict) or set(data) != {"gflops", "prefers_batched", "symmetric"}:
-        raise ValueError("expected an object with keys gflops, prefers_batched, symmetric")
+    if not isinstance(data, dict) or set(data) != {"gflops", "prefers_batched"}:
+        raise ValueError("expected an object with keys gflops, prefers_batched")
     gflops = data["gflops"]
     if not isinstance(gflops, dict) or set(gflops) != set(_MEASURED):
         raise ValueError(f"gflops must map exactly {sorted(_MEASURED)} to rates")
     if not isinstance(data["prefers_batched"], bool):
         raise ValueError("prefers_batched must be true or false")
     rates = {name: _positive_finite(rate, f"gflops.{name}") for name, rate in gflops.items()}
-    symmetric = _positive_finite(data["symmetric"], "symmetric")
-    return Target("cpu", rates, data["prefers_batched"], symmetric_speedup=symmetric)
+    return Target("cpu", rates, data["prefers_batched"])
 
 
 def _positive_finite(value: object, name: str) -> float:

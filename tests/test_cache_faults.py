@@ -137,7 +137,6 @@ def test_unusable_cache_dir_runs_from_memory_with_one_warning(
     cache_dir = UNUSABLE_DIRS[make_dir](tmp_path)
     # target="cpu": the calibration file cannot be written either; measured fast here.
     monkeypatch.setattr(targets, "_measure", lambda dtype: 50.0)
-    monkeypatch.setattr(targets, "_measure_symmetric", lambda: 1.0)
     pairs = [Pair(_adamw, SHAPES, cache_dir, **EXACT, target="cpu") for _ in range(2)]
     with cache_warnings() as messages:
         for pair in pairs:
@@ -221,14 +220,15 @@ BAD_CALIBRATIONS = {
     "list": "[]",
     "null": "null",
     "empty-object": "{}",
-    "gflops-null": '{"gflops": null, "prefers_batched": false, "symmetric": 1.0}',
-    "zero-rate": '{"gflops": {"fp32": 0, "bf16": 1, "fp16": 1}, "prefers_batched": false, "symmetric": 1.0}',
-    "negative-rate": '{"gflops": {"fp32": -5, "bf16": 1, "fp16": 1}, "prefers_batched": false, "symmetric": 1.0}',
-    "nan-rate": '{"gflops": {"fp32": NaN, "bf16": 1, "fp16": 1}, "prefers_batched": false, "symmetric": 1.0}',
-    "inf-symmetric": '{"gflops": {"fp32": 9, "bf16": 1, "fp16": 1}, "prefers_batched": false, "symmetric": Infinity}',
-    "string-rate": '{"gflops": {"fp32": "90", "bf16": 1, "fp16": 1}, "prefers_batched": false, "symmetric": 1.0}',
-    "missing-dtype": '{"gflops": {"fp32": 90}, "prefers_batched": false, "symmetric": 1.0}',
-    "missing-key": '{"gflops": {"fp32": 90, "bf16": 1, "fp16": 1}, "symmetric": 1.0}',
+    "gflops-null": '{"gflops": null, "prefers_batched": false}',
+    "zero-rate": '{"gflops": {"fp32": 0, "bf16": 1, "fp16": 1}, "prefers_batched": false}',
+    "negative-rate": '{"gflops": {"fp32": -5, "bf16": 1, "fp16": 1}, "prefers_batched": false}',
+    "nan-rate": '{"gflops": {"fp32": NaN, "bf16": 1, "fp16": 1}, "prefers_batched": false}',
+    "inf-rate": '{"gflops": {"fp32": 9, "bf16": Infinity, "fp16": 1}, "prefers_batched": false}',
+    "string-rate": '{"gflops": {"fp32": "90", "bf16": 1, "fp16": 1}, "prefers_batched": false}',
+    "missing-dtype": '{"gflops": {"fp32": 90}, "prefers_batched": false}',
+    "missing-key": '{"gflops": {"fp32": 90, "bf16": 1, "fp16": 1}}',
+    "old-version": '{"gflops": {"fp32": 90, "bf16": 1, "fp16": 1}, "prefers_batched": false, "symmetric": 1.0}',
     "string": '"fast"',
     "truncated": '{"gflops": {"fp32": 9',
     "random-bytes": "\udcff",  # written with surrogateescape: a lone 0xff byte
@@ -246,14 +246,13 @@ def test_bad_calibration_file_is_measured_again_with_one_warning(
         return 40.0
 
     monkeypatch.setattr(targets, "_measure", measure)
-    monkeypatch.setattr(targets, "_measure_symmetric", lambda: 1.5)
     cache_dir.mkdir()
     path = cache_dir / f"target-cpu-{targets._cpu_id()}.json"
     path.write_bytes(BAD_CALIBRATIONS[content].encode("utf-8", "surrogateescape"))
     with cache_warnings() as messages:
         target = targets.cpu_target(cache_dir)
     assert len(messages) == 1 and str(path) in messages[0], messages
-    assert target.gflops == {"fp32": 40.0, "bf16": 40.0, "fp16": 40.0} and target.symmetric_speedup == 1.5
+    assert target.gflops == {"fp32": 40.0, "bf16": 40.0, "fp16": 40.0} and target.ratios == targets.declared_ratios()
     assert len(measured) == 3
     with cache_warnings() as messages:
         assert targets.cpu_target(cache_dir) == target  # read back from the rewritten file
@@ -264,7 +263,6 @@ def test_calibration_in_unwritable_dir_is_used_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(targets, "_measure", lambda dtype: 40.0)
-    monkeypatch.setattr(targets, "_measure_symmetric", lambda: 1.5)
     cache_dir = _under_file(tmp_path)
     with cache_warnings() as messages:
         for _ in range(3):

@@ -1,43 +1,42 @@
 """choose-algorithm: per Newton–Schulz op, the algorithm, compute precision and symmetric products.
 
-On the CPU running the step (``Target.measured``) the plan is chosen by
-**measurement** (:func:`measured_plan`, passes/measure_ns.py): the
-candidates within the error budget (:func:`measured_candidates`) — eager's
-own program, standard vs Gram NS, eager's dtype vs fp32, dense vs symmetric
-products on row blocks — are timed for one iteration on the real shape, and
-the fastest is kept only if it beats eager's program by 3 %. Any other
-target (``"sm100"``, ``"cpu-avx2"``: a machine this process cannot time),
-and NS ops too small for measuring to pay (under 2 ms predicted), are
-planned by the FLOP-rate model (:func:`decide`) from the target's GEMM
-rates. Either way the pass writes the answer into the op's arguments and
-records a :class:`~hocompile.decisions.Decision` (its ``chose``: algorithm,
-compute, restarts, matmul, blocks; its alternatives: every other candidate
-with its measured or predicted time, or why it was refused or dropped).
+What a plan computes is decided by a **rule** (:func:`decide`): the
+FLOP-rate model over the shape, the coefficient set, eager's dtype, the
+``precision`` setting and the target's *declared* GEMM rates (a GPU's data
+sheet; the CPU running the step: its ISA flags, targets.declared_ratios).
+Never by a timing: a plan chosen by timing made two processes on one
+machine compute different bits when one of them was compiled under load.
+On the CPU running the step (``Target.measured``) timing only chooses how
+many intra-op threads run the rule's program, between thread counts checked
+to give the very same bits (:func:`measured_plan`). The pass writes the
+answer into the op's arguments and records a
+:class:`~hocompile.decisions.Decision` (its ``chose``: algorithm, compute,
+restarts, matmul, blocks; its alternatives with their predicted or measured
+times, or why they were refused).
 
 Before::
 
     t2 = hocompile.newton_schulz(t1, ..., bf16, bf16, 'standard', [], 'native')
 
-After (768×3072 on a CPU with bf16 units, measured)::
+After (64×256 fp32 on a 2-thread CPU)::
 
-    t2 = hocompile.newton_schulz(t1, ..., bf16->bf16, standard sym4x4, native)
-        # choose-algorithm: standard bf16 with symmetric products on 4 row blocks, 176 ms predicted
-        #   (vs standard bf16 (eager's program) 201 ms | standard bf16 sym2 184 ms | fp32, dropped ... |
-        #   gram bf16, error model: bf16 Gram 1.29x eager's error on heavy_tailed 128x512), measured here ...
+    t2 = hocompile.newton_schulz(t1, ..., fp32->fp32, standard, native)
+        # choose-algorithm: standard fp32 on 1 thread, 0.21 ms predicted (vs gram 0.3 ms | fp32 0.3 ms)
+        #   eager's precision; threads measured here (bitwise alike): min of 3 runs, ...
 
 Precision policy ``"auto"``: eager's compute dtype, or fp32 (more accurate
 than a half-precision eager, and faster where the half GEMM is slow: bf16
 on an AVX2 CPU runs ~100× slower than fp32). An explicit ``"bf16"`` /
-``"fp16"`` keeps that rounding, natively or emulated on fp32 units. Gram NS
-in half precision only where the calibrated error model admits it for the
-coefficient set and aspect ratio (precision/gram_half.py); in fp32/fp64 only
+``"fp16"`` keeps that rounding, natively where the target has the units,
+else emulated on fp32 units. Half precision stays standard NS (bf16 Gram NS
+exceeded eager's budget on some inputs, precision/gram_half.py); Gram NS in fp32/fp64 only
 where eager rounds coarser than the plan computes: against an fp32 eager,
 fp32 Gram NS measured 12-40x eager's error on rank-deficient gradients.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -47,20 +46,17 @@ from .. import dtypes
 from ..decisions import Alternative, Choice, Decision, format_seconds, record, set_eager_dtype
 from ..newton_schulz import flops
 from ..ops_schema import NewtonSchulzSpec
-from ..precision.calibrate import restarts_for
-from ..precision.gram_half import half_gram_verdict
 from ..targets import Target
 from .base import Pass, PassResult
 from .measure_ns import (
     BUDGET_S,
     MARGIN,
-    MIN_BLOCK_ROWS,
-    MIN_MEASURED_S,
     Candidate,
     MeasureSession,
     Program,
     Timer,
     estimate,
+    same_bits,
     unit_counts,
     wall_timer,
 )
@@ -127,9 +123,9 @@ def decide(
     rate = target.throughput(compute if matmul == "native" else torch.float32) * 1e9
     half = compute in (torch.float16, torch.bfloat16)
     restarts = (2,) if half and len(coefficients) > 3 else ()
-    # Symmetric products on blocks (aten lowering): only where the target
-    # measured them faster and blocks keep >= 64 rows (below that the extra
-    # calls cost more than the FLOPs saved).
+    # Symmetric products on blocks (aten lowering): only where the target declares
+    # them faster (the nominal CPU tables; never the measured CPU: they round unlike
+    # eager's dense products) and blocks keep >= 64 rows.
     blocks = SYMMETRIC_BLOCKS if target.symmetric_speedup > 1.1 and min(m, n) >= 64 * SYMMETRIC_BLOCKS else 0
     standard = batch * flops(m, n, coefficients, "standard", blocks=blocks) / rate
     gram = batch * flops(m, n, coefficients, "gram", restarts, blocks=blocks) / rate
@@ -150,113 +146,72 @@ def decide(
     return Plan("standard", (), compute, matmul, standard, (Alternative("gram", gram),), blocks, why)
 
 
-_HALF = (torch.float16, torch.bfloat16)
+def thread_twins(plan: Plan, m: int, n: int) -> list[Program]:
+    """The rule's program and, where it may pay, the same program on one intra-op thread.
 
-
-def measured_candidates(
-    m: int, n: int, coefficients: list[tuple[float, float, float]], eager_dtype: torch.dtype, precision: str
-) -> tuple[list[Candidate], list[Alternative]]:
-    """The candidates within the error budget, and those refused (as alternatives saying why).
-
-    ``"auto"``: eager's dtype (its dense standard NS is eager's own program)
-    and, for a half-precision eager, fp32 (more accurate, and faster where
-    the half GEMM is slow); an explicit precision: that dtype (half: native
-    and emulated). Each dense and on symmetric row blocks.
+    One thread only for dense products up to MAX_ONE_THREAD_WORK (m²n): above it one
+    thread never won here (768×3072: 2x slower) and timing it cost ~0.2 s of compile per shape.
     """
-    if precision == "auto":
-        computes = [(eager_dtype, "native")] + ([(torch.float32, "native")] if eager_dtype in _HALF else [])
-    elif precision in ("bf16", "fp16"):
-        computes = [(dtypes.dtype(precision), "native"), (dtypes.dtype(precision), "emulate")]
-    else:
-        computes = [(dtypes.dtype(precision), "native")]
-    # Dense, and the most row blocks of (4, 2) that keep MIN_BLOCK_ROWS rows: measured here,
-    # 2 blocks never beat 4 where both were possible (768 rows: 184 vs 176 ms per NS), and
-    # each program timed costs compile time.
-    blockings = (0,) + next(((k,) for k in (4, 2) if m // k >= MIN_BLOCK_ROWS), ())
-    restarts = restarts_for("gram", len(coefficients))
-    saves = flops(m, n, coefficients, "gram", restarts) < flops(m, n, coefficients, "standard")
-    found: list[Candidate] = []
-    refused: dict[str, Alternative] = {}
-    # One thread as well as all of them, dense programs only (row blocks are for large
-    # matrices, where every core pays) and up to MAX_ONE_THREAD_WORK: Program.threads says
-    # why. Above it one thread never won here (768×3072: 2x slower) and timing it cost
-    # ~0.2 s of compile per shape.
-    small = m * m * n <= MAX_ONE_THREAD_WORK
-    threadings = (0, 1) if torch.get_num_threads() > 1 and small else (0,)
-    programs = [
-        Program(compute, matmul, blocks, threads)
-        for compute, matmul in computes
-        for blocks in blockings
-        for threads in threadings
-        if not (threads and blocks)
-    ]
-    for program in programs:
-        compute, matmul, blocks = program.compute, program.matmul, program.blocks
-        native = compute == eager_dtype and matmul == "native"
-        eager = precision == "auto" and native and not blocks and not program.threads
-        found.append(Candidate("standard", (), program, eager))
-        name = f"gram {dtypes.name(compute)}"
-        if not saves:
-            refused.setdefault(name, Alternative(name, why_not=f"no FLOPs saved at {m}x{n}"))
-        elif compute in _HALF:
-            verdict = half_gram_verdict(coefficients, m, n, compute)
-            if compute != eager_dtype or not verdict.allowed:
-                why = verdict.why if not verdict.allowed else "eager's budget is its own dtype"
-                refused.setdefault(name, Alternative(name, why_not=f"error model: {why}"))
-            else:
-                found.append(Candidate("gram", verdict.restarts, program))
-        elif eager_dtype.itemsize >= compute.itemsize:
-            # Measured (verify=, rank-2 grads): fp32 Gram NS is 12-40x the error of an
-            # eager that itself computes in fp32; it is within budget against a bf16 eager.
-            refused.setdefault(name, Alternative(name, why_not="not at eager's own precision"))
-        else:
-            found.append(Candidate("gram", restarts, program))
-    return found, list(refused.values())
+    program = Program(plan.compute_dtype, plan.matmul, plan.blocks, 0)
+    if plan.blocks or torch.get_num_threads() < 2 or m * m * n > MAX_ONE_THREAD_WORK:
+        return [program]
+    return [program, Program(plan.compute_dtype, plan.matmul, plan.blocks, 1)]
 
 
 def measured_plan(
-    m: int, n: int, batch: int, coefficients: list[tuple[float, float, float]], eager_dtype: torch.dtype,
-    precision: str, session: MeasureSession,
-) -> Plan | None:
-    """The candidate measured fastest here (eager's program unless another beats it by 3 %); None
-    if nothing could be timed."""
-    candidates, refused = measured_candidates(m, n, coefficients, eager_dtype, precision)
+    rule: Plan, m: int, n: int, batch: int, coefficients: list[tuple[float, float, float]],
+    session: MeasureSession,
+) -> Plan:
+    """The rule's plan on the thread count measured fastest here, among those computing its bits.
+
+    What the plan computes (algorithm, dtype, products) is the rule's (:func:`decide`); timing
+    only picks how many intra-op threads run it, and only between thread counts that give the
+    very same bits here (:func:`~hocompile.passes.measure_ns.same_bits`): a 64×256 fp32 X Xᵀ
+    rounds differently on one thread than on two, and a busy machine must not change a plan's
+    numbers. The twin must beat all threads by 3 %.
+    """
+    programs = thread_twins(rule, m, n)
+    if len(programs) < 2:
+        return rule
+    base, twin = programs
+    abc = next((t for t in coefficients if t[2] != 0.0), (*coefficients[0][:2], 1.0))
+    differs = same_bits(base, twin, (batch, m, n), abc)
+    if differs:
+        alternative = Alternative(twin.label(), why_not=f"rounds differently here ({differs} unit)")
+        return replace(rule, alternatives=rule.alternatives + (alternative,))
+    candidates = [Candidate(rule.algorithm, rule.restarts, p) for p in programs]
     counts = {c: unit_counts(m, n, coefficients, c.algorithm, c.restarts) for c in candidates}
     measurement = session.measure(candidates, counts, (batch, m, n), coefficients)
     timings = measurement.timings
     timed = {c: estimate(timings[c.program], counts[c]) for c in candidates if timings[c.program].complete()}
-    if not timed:
-        return None
-    best = min(timed, key=lambda c: (timed[c], c.program.blocks, c.algorithm))
-    eager = next((c for c in candidates if c.eager), None)
-    if eager is not None and eager in timed and timed[best] > MARGIN * timed[eager]:
-        best = eager  # within noise of eager's own program: keep it
-    alternatives = [Alternative(c.label(), timed[c]) for c in candidates if c != best and c in timed]
-    # A program dropped before its timings were complete: one line for all its candidates.
-    dropped = dict.fromkeys(c.program for c in candidates if c not in timed)
-    alternatives += [Alternative(p.label(), why_not=timings[p].dropped) for p in dropped]
+    first, second = candidates
+    if second in timed and (first not in timed or timed[second] < MARGIN * timed[first]):
+        best, other = second, first  # a base dropped mid-timing was already far slower
+    elif first in timed:
+        best, other = first, second
+    else:
+        return rule
     how = "cached" if measurement.cached else f"{format_seconds(measurement.spent_s)} spent"
     why = (
-        ("eager's own program, nothing measured 3% faster; " if best.eager else "")
-        + f"measured here: one iteration per program, min of {measurement.runs()} runs, "
+        f"{rule.why}; threads measured here (bitwise alike): min of {measurement.runs()} runs, "
         f"spread {measurement.contenders_spread(candidates, counts):.0%} ({how})"
-    )
-    program = best.program
-    return Plan(
-        best.algorithm, best.restarts, program.compute, program.matmul, timed[best],
-        tuple(alternatives + refused), program.blocks, why, program.threads,
-    )
+    ).lstrip("; ")
+    label = other.program.label() + ("" if other.program.threads else " all threads")
+    dropped = timings[other.program].dropped
+    seen = Alternative(label, timed[other]) if other in timed else Alternative(label, why_not=dropped)
+    alternatives = rule.alternatives + (seen,)
+    return replace(rule, predicted_s=timed[best], alternatives=alternatives, why=why, threads=best.program.threads)
 
 
 def _measured_shapes(gm: fx.GraphModule, target: Target, precision: str) -> set[tuple[int, int, int]]:
-    """The (batch, m, n) of the NS ops big enough to be timed: they share the measuring budget."""
+    """The (batch, m, n) of the NS ops that have a thread twin to time: they share the budget."""
     shapes = set()
     for node in gm.graph.nodes:
         if node.target is torch.ops.hocompile.newton_schulz.default:
             spec = NewtonSchulzSpec.from_node(node)
             batch, m, n = spec.wide_shape()
-            model = decide(m, n, batch, spec.coefficients, spec.compute_dtype, precision, target)
-            if model.predicted_s >= MIN_MEASURED_S:
+            rule = decide(m, n, batch, spec.coefficients, spec.compute_dtype, precision, target)
+            if len(thread_twins(rule, m, n)) > 1:
                 shapes.add((batch, m, n))
     return shapes
 
@@ -289,10 +244,8 @@ class ChooseAlgorithm(Pass):
             batch = int(x.shape[0]) if x.dim() == 3 else 1
             set_eager_dtype(node, spec.compute_dtype)  # choose-precision's default budget
             plan = decide(m, n, batch, spec.coefficients, spec.compute_dtype, self.precision, self.target)
-            if session is not None and plan.predicted_s >= MIN_MEASURED_S:
-                # Big enough for the choice to matter: time the candidates here.
-                timed = measured_plan(m, n, batch, spec.coefficients, spec.compute_dtype, self.precision, session)
-                plan = timed or plan
+            if session is not None:
+                plan = measured_plan(plan, m, n, batch, spec.coefficients, session)
             # A uniform plan: it replaces any earlier per-iteration schedule.
             spec.replace(
                 compute_dtype=plan.compute_dtype,
