@@ -50,7 +50,7 @@ def _answer(monkeypatch: pytest.MonkeyPatch, faster: bool, bitwise: bool | None 
     def measure(one: Any, stacked: Any, shape: Any, dtype: Any, sizes: list[int]) -> dict[str, Any]:
         asked.append(sizes)
         same = real(one, stacked, shape, dtype, sizes)["bitwise"] if bitwise is None else bitwise
-        return {"loop_s": 1e-3, "stacked_s": 4e-4 if faster else 1e-3, "bitwise": same}
+        return {"loop_s": 1e-3, "stacked_s": 4e-4 if faster else 1e-3, "bitwise": same, "stack": max(sizes)}
 
     monkeypatch.setattr(stack_calls, "measure_stacking", measure)
     return asked

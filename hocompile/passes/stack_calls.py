@@ -13,7 +13,8 @@ calls with one batch key, shape, orientation and thread count. It times one call
 against calls on stacks of ``k`` (the stack, the batched call and the unbind, interleaved, min of
 a few rounds) and stacks only where that is ≥10 % faster **and** bitwise one call per member's at
 every stack size it will use (a batched GEMM may take another kernel). So the step that stacks is
-bitwise the one that does not. Answers are cached per CPU, op, shape and stack size.
+bitwise the one that does not. Answers are cached per CPU, op, shape and stack size; timing stays
+within a budget per compile (stack_members.BUDGET_S), and a group it would overrun is not stacked.
 
 Before::
 
@@ -46,9 +47,20 @@ from ..registry import registered_calls
 from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
 from .batch_by_shape import stack_bytes_of
-from .stack_members import MARGIN, MIN_MEMBERS, PlannedCall, _threads, measure_stacking, parse_stacking
+from .stack_members import (
+    BUDGET_S,
+    MARGIN,
+    MIN_MEMBERS,
+    Budget,
+    PlannedCall,
+    _threads,
+    measure_stacking,
+    one_call_seconds,
+    parse_stacking,
+    stacking_cost,
+)
 
-STACK_CALLS_VERSION = 1
+STACK_CALLS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class StackCalls(Pass):
     max_batch: int = 64
     max_stack_bytes: int = 64 * 2**20
     cache_dir: Path | None = None
+    budget_s: float = BUDGET_S  # seconds of timing per compile (stack_members.BUDGET_S)
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         if not (self.target.measured and self.target.name == "cpu"):
@@ -74,6 +87,7 @@ class StackCalls(Pass):
             orientation = bool(family.batch.transposed(spec))
             groups.setdefault((key, tuple(val.shape), orientation, _threads(node)), []).append((node, family))
         made, declined = 0, []
+        budget = Budget(self.budget_s)
         for group in groups.values():
             if len(group) < MIN_MEMBERS:
                 declined.append(f"{group[0][0].name}: {len(group)} call(s) of its shape")
@@ -93,7 +107,8 @@ class StackCalls(Pass):
             per_call = stack_bytes_of(rule, members[0][0], members[0][1].spec_of(members[0][0]))
             k = max(1, min(len(members), self.max_batch, self.max_stack_bytes // max(1, per_call)))
             chunks = [members[i : i + k] for i in range(0, len(members), k)]
-            decision = self._decide(members[0][0], members[0][1], sorted({len(c) for c in chunks if len(c) > 1}))
+            sizes = sorted({len(c) for c in chunks if len(c) > 1})
+            decision = self._decide(members[0][0], members[0][1], sizes, budget)
             if not decision.chose:
                 declined.append(f"{members[0][0].name}: {decision.why}")
                 continue
@@ -109,7 +124,7 @@ class StackCalls(Pass):
         gm.recompile()
         return PassResult(gm, True, with_declines(f"{made} stacked call(s)", declined), declined)
 
-    def _decide(self, node: fx.Node, family: Any, sizes: list[int]) -> Decision:
+    def _decide(self, node: fx.Node, family: Any, sizes: list[int], budget: Budget) -> Decision:
         if not sizes:
             return Decision(self.name, {}, why="no stack of two or more")
         planned = PlannedCall.of(node, family)
@@ -120,7 +135,14 @@ class StackCalls(Pass):
         found = read_json(path, parse_stacking) if path is not None else None
         if found is None:
             with _disable_current_modes(), torch.no_grad():  # real tensors, even under AOTAutograd's fake mode
-                found = measure_stacking(planned.one_by_one, planned.stacked, tuple(x.shape), x.dtype, sizes)
+                one_s = budget.spend_on(one_call_seconds, planned.one_by_one, tuple(x.shape), x.dtype)
+                cost = stacking_cost(one_s, max(sizes), [*sizes, 1])
+                if not budget.fits(cost):
+                    why = f"not measured: stacks of {sizes} would take {format_seconds(cost)} to time"
+                    return Decision(self.name, {}, why=why + f", {format_seconds(budget.left())} of the budget left")
+                found = budget.spend_on(
+                    measure_stacking, planned.one_by_one, planned.stacked, tuple(x.shape), x.dtype, sizes
+                )
             if path is not None:
                 write_json(path, found)
         loop_s, stacked_s = found["loop_s"], found["stacked_s"]

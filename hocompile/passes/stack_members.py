@@ -10,7 +10,10 @@ interleaved, min of a few rounds), and stacks only where that is faster
 **and** computes the very same bits (checked on random inputs at ``k`` and a
 smaller stack, since a batched GEMM may take another kernel than one GEMM).
 So a stamped step that stacks is bitwise the one that does not, and the step
-traced whole. The answer is cached per CPU, op and shape.
+traced whole. The answer is cached per CPU, op and shape. Timing stays
+within :data:`BUDGET_S` per compile: from one call's time the pass predicts
+what measuring a stack costs, measures a smaller stack where the full one
+would not fit, and declines (saying so) where not even MIN_MEMBERS would.
 
 Before (one member's program)::
 
@@ -42,8 +45,12 @@ from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
 from .measure_ns import intra_op_threads
 
-STACK_VERSION = 1
+STACK_VERSION = 2
 ROUNDS = 3
+# Seconds one compile may spend timing stacks (each of stack-members and stack-calls): a first
+# compile is the user's first impression, and on a loaded machine timing takes several times
+# longer. A stack whose measurement would not fit is measured smaller, or not at all.
+BUDGET_S = 0.5
 MARGIN = 0.9  # a stack must be 10 % faster than one call per member: closer is noise
 MIN_MEMBERS = 4  # fewer members gain nothing from a stack worth measuring
 
@@ -64,6 +71,7 @@ class StackMembers(Pass):
     max_batch: int = 64
     max_stack_bytes: int = 64 * 2**20
     cache_dir: Path | None = None
+    budget_s: float = BUDGET_S
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         if not self.target.measured:
@@ -71,6 +79,7 @@ class StackMembers(Pass):
         count = dict(self.members)
         owner = _owners(gm)
         made, declined = 0, []
+        budget = Budget(self.budget_s)
         for node, family in registered_calls(gm.graph):
             if family.batch is None or family.name != "newton_schulz":
                 continue
@@ -84,7 +93,7 @@ class StackMembers(Pass):
                 continue
             size = 2 * int(val.numel() * val.element_size())
             k = max(1, min(n, self.max_batch, self.max_stack_bytes // max(1, size)))
-            decision = self._decide(node, family, k)
+            decision = self._decide(node, family, k, budget)
             record(node, decision)
             made += bool(decision.chose)
             if not decision.chose:
@@ -94,7 +103,7 @@ class StackMembers(Pass):
             return PassResult(gm, False, self.decline(reason), declined)
         return PassResult(gm, True, with_declines(f"{made} call(s) stacked over their class's members", declined))
 
-    def _decide(self, node: fx.Node, family: Any, k: int) -> Decision:
+    def _decide(self, node: fx.Node, family: Any, k: int, budget: Budget) -> Decision:
         planned = PlannedCall.of(node, family)
         x, threads = planned.x, planned.threads
         text = f"{STACK_VERSION};{cpu_id()};{family.name};{planned.without_input()!r};{tuple(x.shape)}"
@@ -102,11 +111,18 @@ class StackMembers(Pass):
         path = self.cache_dir / f"stack-{key}.json" if self.cache_dir is not None else None
         found = read_json(path, parse_stacking) if path is not None else None
         if found is None:
-            found = measure_stacking(planned.one_by_one, planned.stacked, tuple(x.shape), x.dtype,
-                                     sorted({k, max(1, k // 2 + 1), 1}))
+            one_s = budget.spend_on(one_call_seconds, planned.one_by_one, tuple(x.shape), x.dtype)
+            fits = [size for size in range(k, MIN_MEMBERS - 1, -1) if budget.fits(stacking_cost(one_s, size))]
+            if not fits:
+                cost = format_seconds(stacking_cost(one_s, k))
+                why = f"not measured: a stack of {k} would take {cost} to time (one call {format_seconds(one_s)})"
+                return Decision(self.name, {}, why=why + f", {format_seconds(budget.left())} of the budget left")
+            k = fits[0]
+            found = budget.spend_on(measure_stacking, planned.one_by_one, planned.stacked, tuple(x.shape), x.dtype,
+                                    sizes_for(k))
             if path is not None:
                 write_json(path, found)
-        loop_s, stacked_s, same = found["loop_s"], found["stacked_s"], found["bitwise"]
+        loop_s, stacked_s, same, k = found["loop_s"], found["stacked_s"], found["bitwise"], found["stack"]
         each = f"{format_seconds(stacked_s)} vs {format_seconds(loop_s)} per member one by one"
         one_by_one = Alternative("one call per member", loop_s)
         if not same:
@@ -168,11 +184,55 @@ class PlannedCall:
         return list(self._call(torch.stack(xs)).unbind(0))
 
 
-def parse_stacking(data: Any) -> dict[str, Any]:
-    return {"loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"])}
-
-
 Calls = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def parse_stacking(data: Any) -> dict[str, Any]:
+    return {
+        "loop_s": float(data["loop_s"]), "stacked_s": float(data["stacked_s"]), "bitwise": bool(data["bitwise"]),
+        "stack": int(data["stack"]),
+    }
+
+
+@dataclass
+class Budget:
+    """What is left of one pass run's timing budget (seconds of wall time)."""
+
+    total_s: float
+    spent_s: float = 0.0
+
+    def left(self) -> float:
+        return max(0.0, self.total_s - self.spent_s)
+
+    def fits(self, seconds: float) -> bool:
+        return seconds <= self.left()
+
+    def spend_on(self, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.spent_s += time.perf_counter() - start
+
+
+def sizes_for(k: int) -> list[int]:
+    """The stack sizes checked bitwise for stacks of ``k``: ``k``, a remainder's, and one."""
+    return sorted({k, max(1, k // 2 + 1), 1})
+
+
+def stacking_cost(one_s: float, k: int, sizes: list[int] | None = None) -> float:
+    """Predicted seconds of measure_stacking: the bitwise runs at every size, both ways, then
+    ROUNDS of ``k`` calls one by one and stacked."""
+    return one_s * (2 * sum(sizes or sizes_for(k)) + 2 * ROUNDS * k)
+
+
+def one_call_seconds(one: Calls, shape: tuple[int, ...], dtype: Any) -> float:
+    """Seconds of one call on one matrix, after a warm-up call: the yardstick of what timing costs."""
+    x = [torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)]
+    one(x)
+    start = time.perf_counter()
+    one(x)
+    return time.perf_counter() - start
 
 
 def measure_stacking(
@@ -191,4 +251,4 @@ def measure_stacking(
         start = time.perf_counter()
         stacked(xs)
         stacked_s = min(stacked_s, (time.perf_counter() - start) / len(xs))
-    return {"loop_s": loop_s, "stacked_s": stacked_s, "bitwise": same}
+    return {"loop_s": loop_s, "stacked_s": stacked_s, "bitwise": same, "stack": max(sizes)}
