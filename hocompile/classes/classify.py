@@ -105,8 +105,15 @@ def classify(opt: torch.optim.Optimizer, lifted: frozenset[HostSlot] = frozenset
 
 
 def shared_storage(opt: torch.optim.Optimizer, classes: list[ParamClass]) -> str:
-    """The first two members whose tensors share memory ('' if none): their updates would not be independent."""
-    owner: dict[int, str] = {}
+    """The first two members whose tensors overlap in memory ('' if none): their updates would not be
+    independent.
+
+    Disjoint views of one base are independent: a MoE's ``[E, m, n]`` experts handed to Muon as
+    ``w.detach()[e]`` with grads ``w.grad[e]`` (torch.optim.Muon refuses 3-D params) are members
+    like separate tensors. Each tensor counts as the byte range from its first to its last element
+    in its storage, so strided views that interleave count as overlapping (traced whole).
+    """
+    spans: dict[int, list[tuple[int, int, str]]] = {}
     for cls in classes:
         params = opt.param_groups[cls.group]["params"]
         for i in cls.members:
@@ -118,8 +125,17 @@ def shared_storage(opt: torch.optim.Optimizer, classes: list[ParamClass]) -> str
             for t in tensors:
                 if t is None or t.numel() == 0:
                     continue
-                ptr = t.untyped_storage().data_ptr()
-                other = owner.setdefault(ptr, where)
-                if other != where:
+                begin, end = _extent(t)
+                held = spans.setdefault(t.untyped_storage().data_ptr(), [])
+                other = next((w for b, e, w in held if w != where and b < end and begin < e), None)
+                if other is not None:
                     return f"{other} and {where} share memory"
+                held.append((begin, end, where))
     return ""
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch in its storage: [first element, one past its last)."""
+    first = int(t.storage_offset())
+    last = first + sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride()))  # torch strides are >= 0
+    return first * t.element_size(), (last + 1) * t.element_size()
