@@ -63,6 +63,25 @@ def test_lr_scheduler_on_compiled_optimizer(cache_dir) -> None:
     assert pair.max_rel_diff() == 0.0
 
 
+def test_a_scheduler_made_before_the_wrap_sees_the_compiled_step(cache_dir) -> None:
+    """The scheduler watches the inner optimizer's step; the compiled step records the call as that
+    step would, so the scheduler's first step() does not warn of a step that was taken."""
+    import warnings
+
+    import hocompile
+
+    p = torch.nn.Parameter(torch.randn(12, 8))
+    p.grad = torch.randn(12, 8)
+    inner = torch.optim.Muon([p], lr=0.02)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = hocompile.compile_optimizer(inner, cache_dir=cache_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning, if any, fails the test
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
 def test_branch_on_hyperparameter_is_a_guard(cache_dir) -> None:
     """AdamW skips decay when weight_decay == 0: crossing that recompiles, with the reason."""
     pair = Pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), [(6, 4)], cache_dir)

@@ -238,6 +238,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             self._step()
+        if hasattr(self._inner.step, "_wrapped_by_lr_sched"):
+            # An LR scheduler made before the wrap watches the inner step, which the compiled step
+            # replaces: record the call as its wrapper would, or its first step() warns of a
+            # "lr_scheduler.step() before optimizer.step()" that did not happen.
+            self._inner._opt_called = True  # type: ignore[attr-defined]
         own_post = getattr(self._inner, "_optimizer_step_post_hooks", {})
         for post_hook in chain(own_post.values(), _global_optimizer_post_hooks.values()):
             post_hook(self, args, kwargs)
