@@ -33,14 +33,16 @@ class DistributedMismatchError(RuntimeError):
     """Ranks that must agree (distributed="replicated") do not; nothing was written."""
 
 
-def check_replicated(opt: torch.optim.Optimizer, gm: fx.GraphModule) -> None:
+def check_replicated(opt: torch.optim.Optimizer, gm: fx.GraphModule, basis: str = "") -> None:
     """Raise :class:`DistributedMismatchError` on every rank unless all ranks planned the same
-    step and hold the same params and grads (a no-op for a step dist-ownership did not plan)."""
+    step on the same basis (``basis``: :func:`planning_basis`) and hold the same params and grads
+    (a no-op for a step dist-ownership did not plan)."""
     applied = gm.meta.get(DIST_PLAN)
     if not isinstance(applied, OwnershipPlan):
         return
     group = c10d._resolve_process_group(c10d.GroupName(applied.group_name))
     device = _device(opt)
+    check_basis_agrees(basis, group, device)
     digest = int(applied.plan.digest(), 16) & _MASK
     low, high = _min_max(torch.tensor([digest], dtype=torch.int64, device=device), group)
     if low[0] != high[0]:
@@ -55,6 +57,36 @@ def check_replicated(opt: torch.optim.Optimizer, gm: fx.GraphModule) -> None:
             "params and grads differ); replicated params need the same params and reduced grads on every "
             "rank (all-reduce the grads first, or use distributed='local'). Nothing was written."
         )
+
+
+def planning_basis(target: Any, settings: Any, backend: str) -> str:
+    """Everything a plan's numbers are a rule of, besides the program and its shapes (which the
+    ownership digest and the checksums cover): the target's declared capabilities and the settings.
+    Measured rates are left out: they scale every prediction alike and decide nothing numeric."""
+    rates = sorted(target.ratios.items()) if target.ratios else sorted(target.gflops.items())
+    return repr((
+        target.name, rates, tuple(target.formats), target.symmetric_speedup, str(settings.precision),
+        tuple(settings.schedule or ()), settings.error_budget, tuple(sorted(settings.disabled_passes)), backend,
+    ))
+
+
+def check_basis_agrees(basis: str, group: Any, device: torch.device) -> None:
+    """Raise :class:`DistributedMismatchError` on every rank unless every rank planned on the same
+    basis. Plans are a rule of it, so equal bases plan equal numbers; replicas on CPUs of another
+    kind (bf16 units on one rank, none on another) would not."""
+    digest = int(hashlib.sha256(basis.encode()).hexdigest()[:16], 16) & _MASK
+    low, high = _min_max(torch.tensor([digest], dtype=torch.int64, device=device), group)
+    if low[0] == high[0]:
+        return
+    gathered: list[Any] = [None] * c10d.get_world_size(group)
+    c10d.all_gather_object(gathered, basis, group=group)
+    rank = next(r for r, b in enumerate(gathered) if b != gathered[0])
+    raise DistributedMismatchError(
+        f"distributed='replicated': the ranks plan on different bases, so their numbers would differ: rank 0 "
+        f"{gathered[0]}, rank {rank} {gathered[rank]} (target, declared GEMM ratios, formats, symmetric "
+        "products, precision, schedule, error budget, disabled passes, backend). Give every rank the same kind "
+        "of machine and settings, or name target= and precision= explicitly. Nothing was written."
+    )
 
 
 def _device(opt: torch.optim.Optimizer) -> torch.device:

@@ -122,7 +122,7 @@ def choose_tp_mode(
     rows, cols = shape[-2], shape[-1]
     m, n = (cols, rows) if transpose else (rows, cols)
     link = link or LINKS.get(rates.name, GLOO_CPU)
-    rate = rates.throughput(compute_dtype) * 1e9
+    rate = rates.planning_throughput(compute_dtype) * 1e9  # a declared rate: the mode changes the bits
     frac = (world - 1) / world
     full = ns_flops_as_given(shape, steps, transpose)
     times = {"duplicated": link.latency_s + frac * batch * m * n * in_bytes / link.bandwidth + full / rate}

@@ -24,7 +24,7 @@ from ..capture import CapturedStep, capture, host_env, unwrapped_step
 from ..classes.stamp import Stamp, stamp_capture
 from ..compiled_helpers import compiled_wrappers
 from ..diskcache import DiskCache
-from ..distributed.check import check_collectives_agree, check_replicated, rank0_target
+from ..distributed.check import check_collectives_agree, check_replicated, planning_basis, rank0_target
 from ..distributed.replicated import resolve_group
 from ..distributed.sharded import is_dtensor
 from ..graph import decisions, graph_stats, print_graph
@@ -212,7 +212,10 @@ def compile_step(
                 warm.write(settings, key, record)
     step.seconds = time.perf_counter() - start
     if lower:  # outside COMPILE_LOCK: it waits for the other ranks (threads, in tests) to compile too
-        check_replicated(opt, step.gm)  # distributed/check.py: a no-op unless dist-ownership planned the step
+        # distributed/check.py: a no-op unless dist-ownership planned the step
+        planned_for = next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
+        basis = planning_basis(planned_for, settings, backend) if planned_for is not None else ""
+        check_replicated(opt, step.gm, basis)
         check_collectives_agree(step.gm, device)  # every rank issues the same collectives (a no-op without)
     return step
 
