@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, TypeVar, overload
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -26,14 +27,28 @@ from .runtime.judgement import Verdict, judge_step
 from .runtime.plan import plan
 from .runtime.self_check import SelfCheckWarning
 from .runtime.verify import VerificationError
+from .runtime.wrappers import compile_wrapped, wrapped_slots
 from .settings import Backend, Distributed, Fallback, Precision, Settings
 from .targets import Target
 
 __version__ = "0.1.0"
 
 
-def compile_optimizer(
-    optimizer: torch.optim.Optimizer,
+_Wrapper = TypeVar("_Wrapper")
+
+
+# The two overloads say what comes back: a CompiledOptimizer for an optimizer, the wrapper itself for a
+# training stack's wrapper; the keyword arguments are the implementation's (documented below).
+@overload
+def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> CompiledOptimizer: ...
+
+
+@overload
+def compile_optimizer(optimizer: _Wrapper, **options: Any) -> _Wrapper: ...
+
+
+def compile_optimizer(  # type: ignore[misc]
+    optimizer: Any,
     *,
     fallback: str | Fallback = "error",
     structural_keys: tuple[str, ...] | list[str] = (),
@@ -59,22 +74,30 @@ def compile_optimizer(
     stamp: bool | None = None,
     warm_start: bool | None = None,
     self_check: bool | None = None,
-) -> CompiledOptimizer:
+) -> Any:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` (torch.optim.Muon, AdamW,
             SGD, emerging_optimizers.Muon, ...). It keeps working: the
-            compiled optimizer shares its param groups and state.
+            compiled optimizer shares its param groups and state. Returns a
+            :class:`CompiledOptimizer`. Or an optimizer *wrapper* of a training
+            stack (Megatron Core's ``FP32Optimizer``, ``ChainedOptimizer``,
+            ``LayerWiseDistributedOptimizer``, ...): the torch optimizers inside
+            it are compiled in place and the wrapper itself is returned, its
+            own step (grad preparation, clipping, gathers) unchanged
+            (hocompile/runtime/wrappers.py).
         fallback: ``"error"`` (default) raises :class:`CaptureError` when the
             step cannot be compiled; ``"eager"`` logs a warning and runs the
             eager step for that configuration instead.
         structural_keys: extra param-group keys whose float values select the
             program (like ``ns_coefficients``) rather than feed it numbers.
         precision: Newton–Schulz compute precision. ``"auto"`` keeps the
-            eager optimizer's dtype where the target has a fast GEMM for it
-            and computes in fp32 where it does not (faster there, and more
-            accurate); ``"fp32"``, ``"bf16"``, ``"fp16"`` force one.
+            eager optimizer's dtype where the target declares GEMM units for
+            it (a CPU's ISA flags, a GPU's architecture: never a timing, so
+            every process plans the same) and computes in fp32 where it does
+            not (faster there, and more accurate); ``"fp32"``, ``"bf16"``,
+            ``"fp16"`` force one.
         target: ``"auto"`` (measure this CPU, or read the GPU's row of the
             table), a GPU architecture (``"sm80"``, ``"sm90"``, ``"sm100"``)
             or a :class:`hocompile.targets.Target`.
@@ -191,6 +214,13 @@ def compile_optimizer(
         warm_start=warm_start,
         self_check=self_check,
     )
+    slots = wrapped_slots(optimizer)
+    if slots is not None:  # a training stack's wrapper: compile what it holds, keep its own step
+        return compile_wrapped(optimizer, slots, lambda inner: _compile_one(inner, settings))
+    return _compile_one(optimizer, settings)
+
+
+def _compile_one(optimizer: torch.optim.Optimizer, settings: Settings) -> CompiledOptimizer:
     if settings.distributed == Distributed.REPLICATED and not (
         torch.distributed.is_available() and torch.distributed.is_initialized()
     ):

@@ -24,14 +24,20 @@ from ..scalars import Expr
 from ..targets import Target
 from .compiled_optimizer import CompiledEntry, CompiledOptimizer
 from .measure_step import StepMeasurement, measure_entry
+from .wrappers import compiled_inside
 
 
-def explain(opt: CompiledOptimizer, measure: bool = False) -> str:
+def explain(opt: object, measure: bool = False) -> str:
     """The compiled steps, their passes, plans and costs. ``measure=True``: time each compiled
     step's registered ops on copies of the current params, grads and state (call it after
     ``backward()``, while the grads are set); the optimizer itself is left as it was."""
     if not isinstance(opt, CompiledOptimizer):
-        raise TypeError(f"explain() takes the result of compile_optimizer(), got {type(opt).__name__}")
+        inside = compiled_inside(opt)
+        if not inside:
+            raise TypeError(f"explain() takes the result of compile_optimizer(), got {type(opt).__name__}")
+        # A training stack's wrapper (runtime/wrappers.py): each optimizer compiled inside it, in step order.
+        head = f"{type(opt).__name__}: {len(inside)} optimizer(s) compiled inside, stepped by its own step()\n"
+        return head + "".join(f"\n[{k}] " + explain(one, measure) for k, one in enumerate(inside))
     inner = opt.optimizer
     if opt._passthrough:
         return f"hocompile: {type(inner).__name__}: every step runs eagerly ({opt._passthrough}); {opt.steps} steps\n"
