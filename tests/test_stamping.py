@@ -183,11 +183,13 @@ def _expert_views(experts: int = 8) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return w, views
 
 
-def _expert_steps(stamp: bool | None, compiled: bool = True) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+def _expert_steps(
+    stamp: bool | None, compiled: bool = True, disable: tuple[str, ...] = ()
+) -> tuple[torch.Tensor, torch.optim.Optimizer]:
     w, views = _expert_views()
     opt = torch.optim.Muon(views, lr=0.02, weight_decay=0.01)
     if compiled:
-        opt = hocompile.compile_optimizer(opt, stamp=stamp)
+        opt = hocompile.compile_optimizer(opt, stamp=stamp, disable_passes=disable)
     for k in range(3):
         w.grad.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(k)))
         opt.step()
@@ -196,11 +198,13 @@ def _expert_steps(stamp: bool | None, compiled: bool = True) -> tuple[torch.Tens
 
 def test_disjoint_views_of_one_base_are_stamped_bitwise_the_whole_trace() -> None:
     """Per-expert views do not alias: one class of 8 members (explain() lists it), every step
-    bitwise the step traced whole and eager's."""
+    bitwise the step traced whole, and (NS passes off: eager's arithmetic on every kind of CPU; on
+    one without bf16 units the default plan computes fp32) eager's."""
     stamped, opt = _expert_steps(None)
     whole, _ = _expert_steps(False)
+    assert torch.equal(stamped, whole)
     eager, _ = _expert_steps(None, compiled=False)
-    assert torch.equal(stamped, whole) and torch.equal(stamped, eager)
+    assert torch.equal(_expert_steps(None, disable=("fuse-newton-schulz",))[0], eager)
     assert opt.history[-1].stamped is not None, opt.history[-1].stamp_note
     text = hocompile.explain(opt)
     assert "stamped: 1 parameter class(es), 8 params" in text and "c0: group 0, 8 params fp32[48, 128]" in text

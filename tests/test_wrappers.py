@@ -59,7 +59,8 @@ def test_a_chain_of_wrappers_is_compiled_in_place_and_steps_as_eager() -> None:
     eager, eager_params = _built()
     wrapper, params = _built()
     inner = wrapper.chained_optimizers[0].optimizer
-    assert hocompile.compile_optimizer(wrapper) is wrapper
+    # NS passes off: eager's arithmetic on every kind of CPU (without bf16 units the plan is fp32)
+    assert hocompile.compile_optimizer(wrapper, disable_passes=["fuse-newton-schulz"]) is wrapper
     assert isinstance(wrapper.chained_optimizers[0].optimizer, CompiledOptimizer)
     assert isinstance(wrapper.chained_optimizers[1], CompiledOptimizer)
     assert wrapper.chained_optimizers[0].optimizer.param_groups is inner.param_groups  # shared, not copied
