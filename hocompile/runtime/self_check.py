@@ -61,7 +61,7 @@ from ..capture import unwrapped_step
 from ..graph import InputSlot
 from .check_view import UnfaithfulView, View, ViewResult, describe_name, same_bits
 from .judgement import judge_tensor
-from .judgement_modes import Boundaries, Rounding
+from .judgement_modes import Boundaries, Rounding, reference_run
 from .reference_classes import stamped_planned
 from .reference_step import plan_dependent_slots
 
@@ -184,21 +184,22 @@ def check(
         return [Boundaries(recorded, substitute=True)] if recorded else []
 
     try:
-        modes = boundaries()
-        reference = view.run(opt, step, modes)
-        if modes and modes[0].unmatched:  # all or nothing: a half-substituted eager is tighter than allowed
-            recorded = []
-            reference = view.run(opt, step)
-        probes: list[ViewResult] = []
-        differ = _differ(got, reference, planned)
-        if differ and not opted_out:
-            # Eager's spread, where it is needed: the members whose planned tensors are not eager's bits.
-            # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
-            around = view if entry.stamped is None else view.only(differ, opt)
-            probes = [
-                around.run(opt, step, boundaries() + [Rounding(1 + k), torch.compiler.set_stance("force_eager")])
-                for k in range(PROBES)
-            ]
+        with reference_run():  # eager's decompositions: not the step's, for a judgement around this step
+            modes = boundaries()
+            reference = view.run(opt, step, modes)
+            if modes and modes[0].unmatched:  # all or nothing: a half-substituted eager is tighter than allowed
+                recorded = []
+                reference = view.run(opt, step)
+            probes: list[ViewResult] = []
+            differ = _differ(got, reference, planned)
+            if differ and not opted_out:
+                # Eager's spread, where it is needed: the members whose planned tensors are not eager's bits.
+                # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
+                around = view if entry.stamped is None else view.only(differ, opt)
+                probes = [
+                    around.run(opt, step, [*boundaries(), Rounding(1 + k), torch.compiler.set_stance("force_eager")])
+                    for k in range(PROBES)
+                ]
     except Exception as exc:  # noqa: BLE001 - eager's own error: the real eager step raises it again
         return f"eager's step could not run on copies ({type(exc).__name__}: {exc})"
     units = 0.0 if entry.lowered is None or entry.lowered.backend == "aten" else POINTWISE_ULPS

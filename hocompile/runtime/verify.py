@@ -78,6 +78,7 @@ from ..containers import describe_spec, flatten, holds_tensors
 from ..graph import InputSlot
 from ..host_state import HostSlot
 from ..settings import Fallback
+from .judgement_modes import reference_run
 from .reference_classes import expand_host_slots, stamped_planned, stamped_references
 from .reference_step import References, plan_dependent_slots
 from .warm import discard_stale
@@ -160,16 +161,17 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     if stamped is not None:
         host_slots = expand_host_slots(stamped, host_slots)
     try:
-        refs = References()
-        if record.planned and stamped is not None:
-            refs = stamped_references(opt, entry, record.planned)
-        elif record.planned:
-            # Read before anything is written: the references and pre-step values
-            # come from the real tensors; eager then runs on copies.
-            if record.reference is None:
-                record.reference = capture(inner, opt._settings.structural_keys)
-            refs = References.compute(opt, entry, record.reference, record.planned)
-        mirror = eager_step(inner, host_slots)
+        with reference_run():  # eager's decompositions, not the step's (judgement_modes.py)
+            refs = References()
+            if record.planned and stamped is not None:
+                refs = stamped_references(opt, entry, record.planned)
+            elif record.planned:
+                # Read before anything is written: the references and pre-step values
+                # come from the real tensors; eager then runs on copies.
+                if record.reference is None:
+                    record.reference = capture(inner, opt._settings.structural_keys)
+                refs = References.compute(opt, entry, record.reference, record.planned)
+            mirror = eager_step(inner, host_slots)
     except Exception as exc:  # nothing was written yet
         message = f"could not verify compiled step against eager: {type(exc).__name__}: {exc}"
         if entry.warm:  # a loaded step that cannot be checked is not trusted: this step runs eagerly
