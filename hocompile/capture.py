@@ -49,7 +49,7 @@ __all__ = [
 from .capture_errors import check_state_substitutable, tracing_error
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import refuse_untraced_collectives, traced_collectives
-from .compiled_helpers import TRACED_THROUGH, holds_compiled_calls, opaque_compiled_helpers
+from .compiled_helpers import holds_compiled_calls, opaque_compiled_helpers, opaque_names
 from .containers import holds_tensors
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
 from .executed_files import ExecutedFiles, compiled_helpers_note
@@ -145,6 +145,7 @@ def _trace(
     lifted: frozenset[HostSlot] = frozenset(),
     view: TraceView | None = None,
     opaque: bool = False,
+    traced_helpers: dict[str, str] | None = None,
 ) -> _TraceResult:
     tracker = ScalarTracker(real={}, salt=salt)
     mode = HostScalarMode(tracker, salt)
@@ -230,8 +231,9 @@ def _trace(
                     installed_state[(g, i)] = dict(entry)
                 group["params"] = params
             opt.state = fake_state
-            helpers = opaque_compiled_helpers(opt, step) if opaque else contextlib.nullcontext()
-            with mode, helpers:  # (torch.compile'd helpers as opaque ops: compiled_helpers.py)
+            # torch.compile'd helpers as opaque ops; with NS fusion on, not those that multiply matrices
+            helpers = opaque_compiled_helpers(opt, step, not opaque, {} if traced_helpers is None else traced_helpers)
+            with mode, helpers:
                 step(opt)
             for (g, i), (fp, attrs) in param_attrs.items():
                 stand_ins.check_unchanged(fp, attrs, f"param_groups[{g}]['params'][{i}]")
@@ -375,9 +377,10 @@ def _capture(
     # inputs; each trace can reveal more of them, so trace until none is new.
     lifted: frozenset[HostSlot] = frozenset()
     files = ExecutedFiles()
+    traced: dict[str, str] = {}  # torch.compile'd helpers traced through, and why (compiled_helpers.py)
     for attempt in range(4):
         with files if attempt == 0 else contextlib.nullcontext():
-            first = _trace(opt, slots, structural, 0, lifted, view, opaque)
+            first = _trace(opt, slots, structural, 0, lifted, view, opaque, traced)
         more = needs_lifting(first.changes, lifted)
         if not more:
             break
@@ -398,13 +401,18 @@ def _capture(
     sharded = mark_sharded(gm, [slot_tensor(opt, s) for s in tensor_slots], tensor_slots, outputs)
     gm.recompile()
     notes = []
-    compiled = [n for n in files.compiled if not opaque or n.split(" (")[0] in TRACED_THROUGH]
+    compiled = [f"{name} ({why})" for name, why in traced.items()]
+    opaque_calls = opaque_names(gm)  # and those the trace ran through without passing our swap (a net)
+    compiled += [
+        n for n in files.compiled
+        if n.split(" (")[0] not in set(traced) | opaque_calls and not n.startswith("_opaque.<locals>")
+    ]
     if compiled:
         notes.append(compiled_helpers_note(type(opt).__name__, compiled))
     if holds_compiled_calls(gm):
         notes.append(
             "torch.compile'd helpers run as the user compiled them (hocompile_torch::compiled_call: eager's "
-            "kernels, bitwise; Newton–Schulz fusion is off, so nothing inside them is replanned)"
+            "kernels, bitwise; nothing inside them is replanned)"
         )
     if first.fused_kernels:
         notes.append(

@@ -6,14 +6,19 @@ through, the compiled step is the plain Python's arithmetic: fine where hocompil
 replace that arithmetic anyway (Newton–Schulz fused and planned, within its budget), not where
 the plan keeps eager's (every pass off: there the promise is bitwise).
 
-So when Newton–Schulz fusion is off, the capture swaps each such helper's function, for the
-length of the trace, for :func:`_opaque`: a call becomes one ``hocompile_torch::compiled_call``
-op whose kernel calls the user's compiled wrapper itself on clones of its tensor arguments (its
-Dynamo cache is eager's, its kernels too), returns its results and the arguments it mutated,
-and the trace copies those back. Its fake kernel runs the plain Python on fakes for the shapes
-and to see which arguments it mutates. A call with a hyperparameter among its arguments is
-traced through as before (the value would be baked into the op), said by the warning that
-names compiled helpers (executed_files.compiled_helpers_note).
+So the capture swaps each such helper's function, for the length of the trace, for
+:func:`_opaque`: a call becomes one ``hocompile_torch::compiled_call`` op whose kernel calls the
+user's compiled wrapper itself on clones of its tensor arguments (its Dynamo cache is eager's, its
+kernels too), returns its results and the arguments it mutated, and the trace copies those back.
+Hyperparameters among its arguments (Lion's ``betas``) are the op's float arguments, lifted to host
+scalars like any other: the wrapper gets this step's values, as eager's call does. Its fake kernel
+runs the plain Python on fakes for the shapes and to see which arguments it mutates.
+
+Host numbers that are ints in eager (a step counter: ``step + 1``) are ints again when the
+wrapper is called. A call is traced through instead (and said, by the warning that names
+compiled helpers: executed_files.compiled_helpers_note) where Newton–Schulz fusion is on and the
+helper makes matrix products (Scion's NS: fused and planned, within the NS budget), or where the
+helper cannot run on fake stand-ins of its arguments.
 
 The op refers to the wrapper by a number valid in this process only: a step holding one is not
 kept for a warm start (runtime/warm.py).
@@ -22,7 +27,10 @@ kept for a warm start (runtime/warm.py).
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import inspect
 import itertools
+import os
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,9 +39,18 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .executed_files import dynamo_wrapper_codes
 from .scalars import HyperParam
+
+
+def _is_int(x: HyperParam) -> bool:
+    """Whether eager has an int here (a step counter): the expression's value from the real inputs,
+    with Python's own arithmetic, is one."""
+    real = x.tracker.real_value(x.expr)
+    return isinstance(real, int) and not isinstance(real, bool)
+
 
 OP_NAME = "hocompile_torch::compiled_call"
 
@@ -43,35 +60,52 @@ class _Call:
     wrapper: Any  # the user's torch.compile'd function (Dynamo's wrapper)
     fn: Any  # the plain Python it wraps
     spec: Any  # of (args, kwargs), tensors taken out
-    constants: list[Any]  # the non-tensor leaves, None where a tensor goes
+    constants: list[Any]  # the non-tensor leaves, None where a tensor goes (_SCALAR: a host scalar)
     mutated: list[int] = field(default_factory=list)  # tensor arguments the function writes
     out_spec: Any = None
-    outputs: int = 0
+    outputs: int = 0  # tensors it returns
+    out_nones: list[bool] = field(default_factory=list)  # per returned leaf: None (an in-place helper's)
+    grad_enabled: bool = False  # the grad mode of the call in the step
+    int_scalars: list[bool] = field(default_factory=list)  # per host scalar argument: an int in eager
 
 
+# The dispatch-key sets of a thread outside any op (import time): what eager's calls run under.
+_TOP_LEVEL_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
 _CALLS: dict[int, _Call] = {}
 _KEYS = itertools.count(1)
-# Qualified names of the helpers a trace ran as plain Python after all (a hyperparameter argument).
-TRACED_THROUGH: set[str] = set()
+_SCALAR = object()  # in _Call.constants: a host scalar argument goes here (the op's ``scalars``)
+# The helpers the trace under way ran as plain Python after all, each with why (qualname -> why).
+_TRACED_THROUGH: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "hocompile_traced_through", default=None
+)
+_MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot", "linalg_matrix_power"})
 
 
-def _arguments(call: _Call, tensors: list[Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _arguments(call: _Call, tensors: list[Tensor], scalars: list[float]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     it = iter(tensors)
-    leaves = [next(it) if c is None else c for c in call.constants]
+    # An int in eager (a step counter) is an int again: the op's float list carries it exactly (< 2**53).
+    sc = iter(int(v) if is_int else v for v, is_int in zip(scalars, call.int_scalars))
+    leaves = [next(it) if c is None else next(sc) if c is _SCALAR else c for c in call.constants]
     args, kwargs = pytree.tree_unflatten(leaves, call.spec)
     return args, kwargs
 
 
-def _run(call: _Call, fn: Any, tensors: list[Tensor]) -> list[Tensor]:
+def _run(call: _Call, fn: Any, tensors: list[Tensor], scalars: list[float], as_eager: bool = False) -> list[Tensor]:
     clones = [t.clone() for t in tensors]
-    versions = [c._version for c in clones]
-    args, kwargs = _arguments(call, clones)
-    out = fn(*args, **kwargs)
-    leaves, out_spec = pytree.tree_flatten(out)
-    if not all(isinstance(x, Tensor) for x in leaves):
+    args, kwargs = _arguments(call, clones, scalars)
+    # As eager calls it: Dynamo guards on the grad mode and on each tensor's dispatch keys as seen
+    # through the thread's include/exclude sets, which an op's kernel runs with autograd excluded
+    # from. A cache entry of its own per call site reached Dynamo's recompile limit first, after
+    # which the helper ran as plain Python (aten's bits, not eager's).
+    keys = torch._C._ForceDispatchKeyGuard(*_TOP_LEVEL_KEYS) if as_eager else contextlib.nullcontext()
+    with keys, torch.set_grad_enabled(call.grad_enabled):
+        out = fn(*args, **kwargs)
+    every, out_spec = pytree.tree_flatten(out)
+    if not all(isinstance(x, Tensor) or x is None for x in every):
         raise TypeError(f"{getattr(call.fn, '__qualname__', call.fn)} returns something other than tensors")
+    leaves = [x for x in every if x is not None]
     call.out_spec, call.outputs = out_spec, len(leaves)
-    call.mutated = [i for i, (c, v) in enumerate(zip(clones, versions)) if c._version != v]
+    call.out_nones = [x is None for x in every]
     taken: set[int] = {id(c) for c in clones}
     results = []
     for x in leaves:  # an op's outputs alias none of its inputs, nor each other
@@ -81,44 +115,125 @@ def _run(call: _Call, fn: Any, tensors: list[Tensor]) -> list[Tensor]:
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
-def compiled_call(tensors: list[Tensor], key: int) -> list[Tensor]:
+def compiled_call(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
     call = _CALLS[key]
-    return _run(call, call.wrapper, tensors)
+    return _run(call, call.wrapper, tensors, scalars, as_eager=True)
 
 
 @compiled_call.register_fake
-def _compiled_call_fake(tensors: list[Tensor], key: int) -> list[Tensor]:
+def _compiled_call_fake(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
     call = _CALLS[key]
-    return _run(call, call.fn, tensors)
+    return _run(call, call.fn, tensors, scalars)
 
 
-def _opaque(fn: Any, wrapper: Any) -> Any:
+class _Products(TorchDispatchMode):
+    """Whether the ops run under it include a matrix product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen = self.seen or func.overloadpacket.__name__ in _MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def _writes(t: Tensor) -> int:
+    """A count that moves with each in-place write. Under the trace's functionalization (a functorch
+    layer, still active here) new tensors are functional wrappers: their writes move the mutation
+    counter, not the version counter."""
+    if torch._is_functional_tensor(t):
+        return int(torch._functionalize_mutation_counter(t))  # type: ignore[attr-defined]
+    return t._version
+
+
+@dataclass(frozen=True)
+class _Probe:
+    products: bool  # it multiplies matrices
+    mutated: list[int]  # the tensor arguments it writes in place (by position among the tensors)
+
+
+def _probe(fn: Any, args: Any, kwargs: Any) -> _Probe | None:
+    """Run ``fn`` on stand-ins of its tensor arguments (shape, strides, dtype; fake, outside the trace
+    and its modes): does it multiply matrices, and which tensor arguments does it write? (The op's own
+    kernels cannot tell: they run below autograd's in-place tracking.) None: it failed on its own here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    try:
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), FakeTensorMode():
+            def stand_in(t: Tensor) -> Tensor:
+                shape, stride = tuple(int(x) for x in t.shape), tuple(int(x) for x in t.stride())
+                return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+
+            fakes = pytree.tree_map_only(Tensor, stand_in, (args, kwargs))
+            tensors = [x for x in pytree.tree_leaves(fakes) if isinstance(x, Tensor)]
+            versions = [_writes(t) for t in tensors]
+            with _Products() as products:
+                fn(*fakes[0], **fakes[1])
+        return _Probe(products.seen, [i for i, (t, v) in enumerate(zip(tensors, versions)) if _writes(t) != v])
+    except Exception:  # noqa: BLE001 - not ours to judge: the real trace raises it if it is real
+        return None
+
+
+def _opaque(fn: Any, wrapper: Any, keep_products: bool) -> Any:
+    name = getattr(fn, "__qualname__", repr(fn))
+
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if any(isinstance(x, HyperParam) for x in leaves):
-            TRACED_THROUGH.add(getattr(fn, "__qualname__", repr(fn)))
-            return fn(*args, **kwargs)  # a hyperparameter would be baked in: traced through
+        why, probe = "", _probe(fn, args, kwargs)
+        if probe is None:
+            why = "it could not be run on stand-ins alone"
+        elif keep_products and probe.products:
+            why = "its matrix products are fused and planned"
+        if why:
+            traced = _TRACED_THROUGH.get()
+            if traced is not None:
+                code = getattr(inspect.unwrap(fn), "__code__", None)
+                where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}: " if code else ""
+                traced.setdefault(name, where + why)
+            return fn(*args, **kwargs)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        record = _Call(wrapper, fn, spec, [None if isinstance(x, Tensor) else x for x in leaves])
+        scalars = [x for x in leaves if isinstance(x, HyperParam)]
+        constants = [None if isinstance(x, Tensor) else _SCALAR if isinstance(x, HyperParam) else x for x in leaves]
+        assert probe is not None
+        record = _Call(
+            wrapper, fn, spec, constants, mutated=probe.mutated, grad_enabled=torch.is_grad_enabled(),
+            int_scalars=[_is_int(x) for x in scalars],
+        )
         key = next(_KEYS)
         _CALLS[key] = record
-        outs = compiled_call(tensors, key)
+        outs = compiled_call(tensors, scalars, key)
         for i, value in zip(record.mutated, outs[record.outputs:]):
             tensors[i].copy_(value)
-        return pytree.tree_unflatten(list(outs[: record.outputs]), record.out_spec)
+        returned = iter(outs[: record.outputs])
+        return pytree.tree_unflatten([None if none else next(returned) for none in record.out_nones], record.out_spec)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     call.hocompile_opaque = True  # type: ignore[attr-defined]
     return call
 
 
+_NOT_USERS = ("builtins", "torch", "numpy", "math", "typing", "collections", "functools", "os", "sys", "hocompile")
+
+
 def compiled_wrappers(opt: Any, step: Any) -> list[Any]:
-    """torch.compile'd functions the step can reach by name: its module's globals, the class's
+    """torch.compile'd functions the step can reach by name: its module's globals (the module of the
+    function under its decorators too: ``@torch.no_grad()`` wraps it in torch's), the class's
     attributes and the optimizer's (a helper passed in, ``self.ns``)."""
     codes = dynamo_wrapper_codes()
     found: dict[int, Any] = {}
-    pools = [getattr(step, "__globals__", {}), vars(opt)]
+    pools = [vars(opt)]
+    fn, seen = step, 0
+    while fn is not None and seen < 8:  # the step's own module, under its decorators (@torch.no_grad())
+        pools.append(getattr(fn, "__globals__", {}))
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
     pools += [vars(c) for c in type(opt).__mro__ if not c.__module__.startswith(("builtins", "torch"))]
+    # ... and one module further: ``update_functions.calculate_adam_update(...)`` (SOAP)
+    pools += [
+        vars(m) for pool in list(pools) for m in list(pool.values())
+        if isinstance(m, types.ModuleType) and not m.__name__.startswith(_NOT_USERS)
+    ]
     for pool in pools:
         for value in list(pool.values()):
             value = getattr(value, "__func__", value)  # a method
@@ -128,9 +243,12 @@ def compiled_wrappers(opt: Any, step: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def opaque_compiled_helpers(opt: Any, step: Any) -> Iterator[int]:
-    """While tracing ``step``: each torch.compile'd helper it reaches calls as an opaque op."""
+def opaque_compiled_helpers(opt: Any, step: Any, keep_products: bool, traced: dict[str, str]) -> Iterator[int]:
+    """While tracing ``step``: each torch.compile'd helper it reaches calls as an opaque op, except
+    (``keep_products``: Newton–Schulz fusion is on) one that multiplies matrices. ``traced`` collects
+    the helpers traced through after all, with why."""
     swapped: list[tuple[Any, Any]] = []
+    token = _TRACED_THROUGH.set(traced)
     try:
         for wrapper in compiled_wrappers(opt, step):
             names = wrapper.__code__.co_freevars
@@ -140,12 +258,20 @@ def opaque_compiled_helpers(opt: Any, step: Any) -> Iterator[int]:
             original = cell.cell_contents
             if getattr(original, "hocompile_opaque", False):
                 continue  # swapped already (a nested trace)
-            cell.cell_contents = _opaque(original, wrapper)
+            cell.cell_contents = _opaque(original, wrapper, keep_products)
             swapped.append((cell, original))
         yield len(swapped)
     finally:
+        _TRACED_THROUGH.reset(token)
         for cell, original in swapped:
             cell.cell_contents = original
+
+
+def opaque_names(gm: torch.fx.GraphModule) -> set[str]:
+    """The helpers the graph calls as opaque ops, by qualified name."""
+    op = torch.ops.hocompile_torch.compiled_call.default
+    calls = [_CALLS.get(n.args[2]) for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+    return {getattr(c.fn, "__qualname__", repr(c.fn)) for c in calls if c is not None}
 
 
 def holds_compiled_calls(gm: torch.fx.GraphModule) -> bool:

@@ -86,13 +86,13 @@ class CompiledHelperWarning(UserWarning):
 def compiled_helpers_note(optimizer: str, names: list[str]) -> str:
     """The note (and a warning, once per message) for torch.compile'd functions the step calls: eager
     runs Inductor's kernels for them, the trace their plain Python, and the two round differently.
-    (With Newton–Schulz fusion off such helpers run as opaque ops instead: compiled_helpers.py.)"""
+    (Others run as opaque ops: compiled_helpers.py.)"""
     note = (
         f"{optimizer}.step calls {', '.join(names)}, wrapped in torch.compile: eager runs Inductor's "
-        "kernels there and hocompile traces the plain Python (so that their Newton–Schulz is fused and "
-        "planned), so the compiled step rounds differently in them (not bitwise with eager). For "
-        "eager-bitwise steps disable fuse-newton-schulz (the helpers then run as compiled, opaque ops) "
-        "or call them without torch.compile"
+        "kernels there and hocompile traces the plain Python (why, per helper, in parentheses: matrix "
+        "products to fuse and plan), so the compiled step rounds differently in them (not bitwise with "
+        "eager; judged against eager's spread). Helpers without matrix products run as the user compiled "
+        "them, and those with them too when fuse-newton-schulz is disabled"
     )
     warnings.warn(f"hocompile: {note}", CompiledHelperWarning, stacklevel=4)
     return note

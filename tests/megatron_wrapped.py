@@ -14,7 +14,7 @@ scale, the grad-norm accumulators of ``clip_grads`` and ``utils``): on this CPU-
 modules get a ``torch`` whose factories make such tensors on the CPU (``CpuTorch``). Nothing else is
 replaced, and hocompile never sees it.
 
-    python tests/megatron_wrapped.py --optimizer muon [--passes on] [--port N] [--explain] [--no-compile]
+    python tests/megatron_wrapped.py --optimizer muon [--passes on] [--port N] [--explain] [--no-compile] [--plant]
 """
 
 from __future__ import annotations
@@ -89,6 +89,40 @@ def build(name: str) -> tuple[torch.nn.Module, typing.Any]:
     return model, built
 
 
+def plant_a_wrong_plan() -> None:
+    """Every compiled program gets one more pass: the last in-place or out-of-place add of the graph
+    scaled by 1 + 2^-20, a wrong elementwise op where the plan keeps eager's arithmetic (the
+    self-check must find it and fall back, through the wrapper)."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    import hocompile.runtime.compile_step as compile_step
+    from hocompile.passes import Pass, PassResult
+
+    @dataclass(frozen=True)
+    class PerturbLastAdd(Pass):
+        name: ClassVar[str] = "perturb-last-add"
+
+        def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+            adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+            if not adds:
+                return PassResult(gm, False, "no add")
+            node = adds[-1]
+            with gm.graph.inserting_after(node):
+                scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 2.0**-20))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+            scaled.meta["val"] = node.meta.get("val")
+            gm.recompile()
+            return PassResult(gm, True, "perturbed one add")
+
+    default = compile_step.default_pipeline
+
+    def planted(*args: typing.Any, **kwargs: typing.Any) -> typing.Any:
+        return (*default(*args, **kwargs), PerturbLastAdd())
+
+    compile_step.default_pipeline = planted  # type: ignore[assignment]
+
+
 def inner_names(wrapper: typing.Any) -> list[str]:
     from hocompile.runtime.wrappers import compiled_inside, wrapped_slots
 
@@ -105,6 +139,7 @@ def main() -> None:
     parser.add_argument("--explain", action="store_true", help="explain() on stderr")
     # The control: the second copy eager too (how alike two eager copies stay)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--plant", action="store_true", help="a wrong elementwise op in every program")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(args.port)
@@ -115,6 +150,8 @@ def main() -> None:
     megatron_on_cpu()
     import hocompile
 
+    if args.plant:
+        plant_a_wrong_plan()
     eager_model, eager = build(args.optimizer)
     model, wrapper = build(args.optimizer)
     disabled = ["fuse-newton-schulz"] if args.passes == "off" else []
