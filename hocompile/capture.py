@@ -49,7 +49,7 @@ __all__ = [
 from .capture_errors import check_state_substitutable, tracing_error
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .collectives import refuse_untraced_collectives, traced_collectives
-from .compiled_helpers import holds_compiled_calls, opaque_compiled_helpers, opaque_names
+from .compiled_helpers import holds_compiled_calls, name_compiled_calls, opaque_compiled_helpers, opaque_names
 from .containers import holds_tensors
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
 from .executed_files import ExecutedFiles, compiled_helpers_note
@@ -410,6 +410,7 @@ def _capture(
     if compiled:
         notes.append(compiled_helpers_note(type(opt).__name__, compiled))
     if holds_compiled_calls(gm):
+        name_compiled_calls(gm)
         notes.append(
             "torch.compile'd helpers run as the user compiled them (hocompile_torch::compiled_call: eager's "
             "kernels, bitwise; nothing inside them is replanned)"

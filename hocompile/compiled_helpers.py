@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import inspect
-import itertools
 import os
 import types
 from collections.abc import Iterator
@@ -72,7 +72,6 @@ class _Call:
 # The dispatch-key sets of a thread outside any op (import time): what eager's calls run under.
 _TOP_LEVEL_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
 _CALLS: dict[int, _Call] = {}
-_KEYS = itertools.count(1)
 _SCALAR = object()  # in _Call.constants: a host scalar argument goes here (the op's ``scalars``)
 # The helpers the trace under way ran as plain Python after all, each with why (qualname -> why).
 _TRACED_THROUGH: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -112,6 +111,31 @@ def _run(call: _Call, fn: Any, tensors: list[Tensor], scalars: list[float], as_e
         results.append(x.clone() if id(x) in taken else x)
         taken.add(id(x))
     return results + [clones[i] for i in call.mutated]
+
+
+def _key_for(record: _Call) -> int:
+    """The op's key: a digest of what the call is (the helper, where it is defined, the arguments'
+    structure and constants, what it writes, the grad mode), so the same step gives the same graph,
+    printed graph and cache key in every process. A different wrapper of the same description (the
+    function compiled twice) takes the next free key."""
+    fn = inspect.unwrap(record.fn)
+    code = getattr(fn, "__code__", None)
+    where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else ""
+    constants = ["<tensor>" if c is None else "<scalar>" if c is _SCALAR else repr(c) for c in record.constants]
+    text = repr((getattr(fn, "__qualname__", repr(fn)), where, str(record.spec), constants, record.mutated,
+                 record.int_scalars, record.grad_enabled))
+    key = int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
+    while key in _CALLS and _CALLS[key].wrapper is not record.wrapper:
+        key += 1
+    _CALLS.setdefault(key, record)
+    return key
+
+
+def describe_key(key: int) -> str:
+    """``name#digest`` of an op key: how graphs print it."""
+    call = _CALLS.get(key)
+    name = getattr(call.fn, "__qualname__", "?") if call is not None else "?"
+    return f"{name}#{key:012x}"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -201,8 +225,8 @@ def _opaque(fn: Any, wrapper: Any, keep_products: bool) -> Any:
             wrapper, fn, spec, constants, mutated=probe.mutated, grad_enabled=torch.is_grad_enabled(),
             int_scalars=[_is_int(x) for x in scalars],
         )
-        key = next(_KEYS)
-        _CALLS[key] = record
+        key = _key_for(record)
+        record = _CALLS[key]  # (the same call made before: one record, filled by the fake run below)
         outs = compiled_call(tensors, scalars, key)
         for i, value in zip(record.mutated, outs[record.outputs:]):
             tensors[i].copy_(value)
@@ -272,6 +296,16 @@ def opaque_names(gm: torch.fx.GraphModule) -> set[str]:
     op = torch.ops.hocompile_torch.compiled_call.default
     calls = [_CALLS.get(n.args[2]) for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
     return {getattr(c.fn, "__qualname__", repr(c.fn)) for c in calls if c is not None}
+
+
+def name_compiled_calls(gm: torch.fx.GraphModule) -> None:
+    """Tag each compiled_call node with its helper's name and key digest, for the printed graph."""
+    from .graph import COMPILED_HELPER
+
+    op = torch.ops.hocompile_torch.compiled_call.default
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is op:
+            n.meta[COMPILED_HELPER] = describe_key(n.args[2])
 
 
 def holds_compiled_calls(gm: torch.fx.GraphModule) -> bool:

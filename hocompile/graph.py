@@ -31,6 +31,7 @@ from .registry import OpFamily, families, family_of
 
 ORIGIN = "hocompile.origin"
 ROLE = "hocompile.role"
+COMPILED_HELPER = "hocompile.compiled_helper"  # the name#digest a compiled_call node prints for its key
 # DECISION (node.meta key of recorded Decisions) is declared in hocompile.decisions, re-exported here.
 
 # How a host scalar placeholder prints: a Python float is an fp64 on the host.
@@ -248,6 +249,8 @@ def print_graph(gm: fx.GraphModule, title: str = "step", predictions: bool = Tru
         else:
             args = [_format_arg(a, names) for a in node.args]
             args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
+            if COMPILED_HELPER in node.meta:  # a torch.compile'd helper's op: its key by name and digest
+                args[-1] = node.meta[COMPILED_HELPER]
         head = f"  {names[node]}: {describe_value(node.meta.get('val'))} = "
         call = f"{_target_name(node.target)}({', '.join(args)})"
         notes = [node.meta.get(ORIGIN, "?")]

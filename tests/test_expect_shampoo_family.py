@@ -133,7 +133,7 @@ passes:
   batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (24 of 48 ops):
+made by passes (24 of 44 ops):
   t0: fp32[4, 4] = hocompile.factor_update(s0_0_L, g0_0 @ g0_0^T, lerp, weight=h0)  # fuse-factor-update
   t1: fp32[6, 6] = hocompile.factor_update(s0_0_R, g0_0^T @ g0_0, lerp, weight=h0)  # fuse-factor-update
   t2: fp32[4, 6] = hocompile.two_sided(s0_0_Q_L @ s0_0_exp_avg @ s0_0_Q_R^T, tensordot)  # fuse-two-sided
@@ -145,31 +145,30 @@ made by passes (24 of 48 ops):
   t10: fp32[6, 6] = hocompile.power_qr(t6, columns=t7, householder)  # fuse-eigenbasis
   t11: fp32[4, 6] = hocompile.two_sided(t9^T @ t2 @ t10, tensordot)  # fuse-two-sided
   t13: fp32[4, 6] = hocompile.two_sided(t9^T @ g0_0 @ t10, tensordot)  # fuse-two-sided
-  t22: fp32[4, 6] = hocompile.two_sided(t9 @ t21 @ t10^T, tensordot)  # fuse-two-sided
-  t24: fp32[6, 6] = hocompile.factor_update(s0_1_L, g0_1 @ g0_1^T, lerp, weight=h8)  # fuse-factor-update
-  t25: fp32[4, 4] = hocompile.factor_update(s0_1_R, g0_1^T @ g0_1, lerp, weight=h8)  # fuse-factor-update
-  t26: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
-  t27: fp32[6, 6] = aten.mm(t24, s0_1_Q_L)  # fuse-eigenbasis
-  t28: i64[6] = hocompile.rayleigh_order(t27, s0_1_Q_L, descending)  # fuse-eigenbasis
-  t30: fp32[4, 4] = aten.mm(t25, s0_1_Q_R)  # fuse-eigenbasis
-  t31: i64[4] = hocompile.rayleigh_order(t30, s0_1_Q_R, descending)  # fuse-eigenbasis
-  t33: fp32[6, 6] = hocompile.power_qr(t27, columns=t28, householder)  # fuse-eigenbasis
-  t34: fp32[4, 4] = hocompile.power_qr(t30, columns=t31, householder)  # fuse-eigenbasis
-  t35: fp32[6, 4] = hocompile.two_sided(t33^T @ t26 @ t34, tensordot)  # fuse-two-sided
-  t37: fp32[6, 4] = hocompile.two_sided(t33^T @ g0_1 @ t34, tensordot)  # fuse-two-sided
-  t46: fp32[6, 4] = hocompile.two_sided(t33 @ t45 @ t34^T, tensordot)  # fuse-two-sided
+  t20: fp32[4, 6] = hocompile.two_sided(t9 @ t15 @ t10^T, tensordot)  # fuse-two-sided
+  t22: fp32[6, 6] = hocompile.factor_update(s0_1_L, g0_1 @ g0_1^T, lerp, weight=h7)  # fuse-factor-update
+  t23: fp32[4, 4] = hocompile.factor_update(s0_1_R, g0_1^T @ g0_1, lerp, weight=h7)  # fuse-factor-update
+  t24: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
+  t25: fp32[6, 6] = aten.mm(t22, s0_1_Q_L)  # fuse-eigenbasis
+  t26: i64[6] = hocompile.rayleigh_order(t25, s0_1_Q_L, descending)  # fuse-eigenbasis
+  t28: fp32[4, 4] = aten.mm(t23, s0_1_Q_R)  # fuse-eigenbasis
+  t29: i64[4] = hocompile.rayleigh_order(t28, s0_1_Q_R, descending)  # fuse-eigenbasis
+  t31: fp32[6, 6] = hocompile.power_qr(t25, columns=t26, householder)  # fuse-eigenbasis
+  t32: fp32[4, 4] = hocompile.power_qr(t28, columns=t29, householder)  # fuse-eigenbasis
+  t33: fp32[6, 4] = hocompile.two_sided(t31^T @ t24 @ t32, tensordot)  # fuse-two-sided
+  t35: fp32[6, 4] = hocompile.two_sided(t31^T @ g0_1 @ t32, tensordot)  # fuse-two-sided
+  t42: fp32[6, 4] = hocompile.two_sided(t31 @ t37 @ t32^T, tensordot)  # fuse-two-sided
 op counts:
-  aten.add.Tensor x6
-  aten.div.Tensor x6
+  aten.add.Tensor x4
+  aten.copy x4
   aten.index_select x4
-  aten.lerp.Scalar x4
   aten.mm x4
-  aten.pow.Tensor_Scalar x2
-  aten.sqrt x2
+  getitem x6
   hocompile.factor_update x4
   hocompile.power_qr x4
   hocompile.rayleigh_order x4
   hocompile.two_sided x8
+  hocompile_torch.compiled_call x2
 """)
 
     def test_soap_qr_steady_batched(self) -> None:
@@ -185,7 +184,7 @@ passes:
   batch-by-shape: changed: 4 ops in 2 batched op(s)
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (32 of 56 ops):
+made by passes (32 of 52 ops):
   t0: fp32[4, 4] = hocompile.factor_update(s0_0_L, g0_0 @ g0_0^T, lerp, weight=h0)  # fuse-factor-update
   t1: fp32[6, 6] = hocompile.factor_update(s0_0_R, g0_0^T @ g0_0, lerp, weight=h0)  # fuse-factor-update
   t2: fp32[4, 6] = hocompile.two_sided(s0_0_Q_L @ s0_0_exp_avg @ s0_0_Q_R^T, tensordot)  # fuse-two-sided
@@ -193,7 +192,7 @@ made by passes (32 of 56 ops):
   t4: i64[4] = hocompile.rayleigh_order(t3, s0_0_Q_L, descending)  # fuse-eigenbasis
   t6: fp32[6, 6] = aten.mm(t1, s0_0_Q_R)  # fuse-eigenbasis
   t7: i64[6] = hocompile.rayleigh_order(t6, s0_0_Q_R, descending)  # fuse-eigenbasis
-  t9: fp32[4, 4] = hocompile.factor_update(s0_1_R, g0_1^T @ g0_1, lerp, weight=h8)  # fuse-factor-update
+  t9: fp32[4, 4] = hocompile.factor_update(s0_1_R, g0_1^T @ g0_1, lerp, weight=h7)  # fuse-factor-update
   t10: fp32[4, 4] = aten.mm(t9, s0_1_Q_R)  # fuse-eigenbasis
   t11: fp32[2, 4, 4] = aten.stack([t3, t10])  # batch-by-shape
   t12: i64[4] = hocompile.rayleigh_order(t10, s0_1_Q_R, descending)  # fuse-eigenbasis
@@ -201,7 +200,7 @@ made by passes (32 of 56 ops):
   t14: fp32[2, 4, 4] = hocompile.power_qr(t11, columns=t13, householder)  # batch-by-shape
   t15: (fp32[4, 4], fp32[4, 4]) = aten.unbind.int(t14)  # batch-by-shape
   t16: fp32[4, 4] = getitem(t15, 0)  # batch-by-shape
-  t17: fp32[6, 6] = hocompile.factor_update(s0_1_L, g0_1 @ g0_1^T, lerp, weight=h8)  # fuse-factor-update
+  t17: fp32[6, 6] = hocompile.factor_update(s0_1_L, g0_1 @ g0_1^T, lerp, weight=h7)  # fuse-factor-update
   t18: fp32[6, 6] = aten.mm(t17, s0_1_Q_L)  # fuse-eigenbasis
   t19: fp32[2, 6, 6] = aten.stack([t6, t18])  # batch-by-shape
   t20: i64[6] = hocompile.rayleigh_order(t18, s0_1_Q_L, descending)  # fuse-eigenbasis
@@ -211,28 +210,26 @@ made by passes (32 of 56 ops):
   t24: fp32[6, 6] = getitem(t23, 0)  # batch-by-shape
   t25: fp32[4, 6] = hocompile.two_sided(t16^T @ t2 @ t24, tensordot)  # fuse-two-sided
   t27: fp32[4, 6] = hocompile.two_sided(t16^T @ g0_0 @ t24, tensordot)  # fuse-two-sided
-  t36: fp32[4, 6] = hocompile.two_sided(t16 @ t35 @ t24^T, tensordot)  # fuse-two-sided
-  t38: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
-  t41: fp32[6, 6] = getitem(t23, 1)  # batch-by-shape
-  t42: fp32[4, 4] = getitem(t15, 1)  # batch-by-shape
-  t43: fp32[6, 4] = hocompile.two_sided(t41^T @ t38 @ t42, tensordot)  # fuse-two-sided
-  t45: fp32[6, 4] = hocompile.two_sided(t41^T @ g0_1 @ t42, tensordot)  # fuse-two-sided
-  t54: fp32[6, 4] = hocompile.two_sided(t41 @ t53 @ t42^T, tensordot)  # fuse-two-sided
+  t34: fp32[4, 6] = hocompile.two_sided(t16 @ t29 @ t24^T, tensordot)  # fuse-two-sided
+  t36: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
+  t39: fp32[6, 6] = getitem(t23, 1)  # batch-by-shape
+  t40: fp32[4, 4] = getitem(t15, 1)  # batch-by-shape
+  t41: fp32[6, 4] = hocompile.two_sided(t39^T @ t36 @ t40, tensordot)  # fuse-two-sided
+  t43: fp32[6, 4] = hocompile.two_sided(t39^T @ g0_1 @ t40, tensordot)  # fuse-two-sided
+  t50: fp32[6, 4] = hocompile.two_sided(t39 @ t45 @ t40^T, tensordot)  # fuse-two-sided
 op counts:
-  aten.add.Tensor x6
-  aten.div.Tensor x6
+  aten.add.Tensor x4
+  aten.copy x4
   aten.index_select x4
-  aten.lerp.Scalar x4
   aten.mm x4
-  aten.pow.Tensor_Scalar x2
-  aten.sqrt x2
   aten.stack x4
   aten.unbind.int x2
-  getitem x4
+  getitem x10
   hocompile.factor_update x4
   hocompile.power_qr x2
   hocompile.rayleigh_order x4
   hocompile.two_sided x8
+  hocompile_torch.compiled_call x2
 """)
 
     def test_rekls_steady(self) -> None:
@@ -248,33 +245,33 @@ passes:
   batch-by-shape: unchanged: test-cpu does not gain from stacking (a loop of mm is as fast there); batching would only add copies and memory
   choose-algorithm: unchanged: no Newton-Schulz op to plan
   choose-precision: unchanged: no Newton-Schulz op to plan
-made by passes (8 of 136 ops):
+made by passes (8 of 132 ops):
   t32: fp32[4, 6] = hocompile.two_sided(s0_0_Q_L @ s0_0_exp_avg @ s0_0_Q_R^T, tensordot)  # fuse-two-sided
   t55: fp32[4, 6] = hocompile.two_sided(t51^T @ t32 @ t54, tensordot)  # fuse-two-sided
   t57: fp32[4, 6] = hocompile.two_sided(t51^T @ g0_0 @ t54, tensordot)  # fuse-two-sided
-  t66: fp32[4, 6] = hocompile.two_sided(t51 @ t65 @ t54^T, tensordot)  # fuse-two-sided
-  t100: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
-  t123: fp32[6, 4] = hocompile.two_sided(t119^T @ t100 @ t122, tensordot)  # fuse-two-sided
-  t125: fp32[6, 4] = hocompile.two_sided(t119^T @ g0_1 @ t122, tensordot)  # fuse-two-sided
-  t134: fp32[6, 4] = hocompile.two_sided(t119 @ t133 @ t122^T, tensordot)  # fuse-two-sided
+  t64: fp32[4, 6] = hocompile.two_sided(t51 @ t59 @ t54^T, tensordot)  # fuse-two-sided
+  t98: fp32[6, 4] = hocompile.two_sided(s0_1_Q_L @ s0_1_exp_avg @ s0_1_Q_R^T, tensordot)  # fuse-two-sided
+  t121: fp32[6, 4] = hocompile.two_sided(t117^T @ t98 @ t120, tensordot)  # fuse-two-sided
+  t123: fp32[6, 4] = hocompile.two_sided(t117^T @ g0_1 @ t120, tensordot)  # fuse-two-sided
+  t130: fp32[6, 4] = hocompile.two_sided(t117 @ t125 @ t120^T, tensordot)  # fuse-two-sided
 op counts:
   aten._linalg_eigh x4
-  aten.add.Tensor x6
+  aten.add.Tensor x4
   aten.clamp_min x4
-  aten.div.Tensor x6
+  aten.copy x4
   aten.flip x4
   aten.index_select x4
-  aten.lerp.Scalar x8
+  aten.lerp.Scalar x4
   aten.mm x20
   aten.mul.Tensor x16
   aten.permute x24
-  aten.pow.Tensor_Scalar x6
+  aten.pow.Tensor_Scalar x4
   aten.sort x4
-  aten.sqrt x2
   aten.sum.dim_IntList x8
   aten.unsqueeze x4
-  getitem x8
+  getitem x14
   hocompile.two_sided x8
+  hocompile_torch.compiled_call x2
 """)
 
     def test_mop_steady(self) -> None:
