@@ -20,8 +20,11 @@ compiled helpers: executed_files.compiled_helpers_note) where Newton–Schulz fu
 helper makes matrix products (Scion's NS: fused and planned, within the NS budget), or where the
 helper cannot run on fake stand-ins of its arguments.
 
-The op refers to the wrapper by a number valid in this process only: a step holding one is not
-kept for a warm start (runtime/warm.py).
+The op names its call by a digest of what the call is (helper, arguments' layout, constants), the
+same in every process and for every member of a parameter class, so such steps stamp per class
+(classes/stamp.py) and print alike; the wrapper it stands for is this process's, so a step holding
+one is not kept for a warm start (runtime/warm.py). Each call is probed once per trace for its
+matrix products and in-place writes (the probe records its branches' guards).
 """
 
 from __future__ import annotations
@@ -200,12 +203,42 @@ def _probe(fn: Any, args: Any, kwargs: Any) -> _Probe | None:
         return None
 
 
+# Per trace: probes already run, by what decides their answer (a step calls one helper per param).
+_PROBES: contextvars.ContextVar[dict[Any, _Probe | None] | None] = contextvars.ContextVar(
+    "hocompile_probes", default=None
+)
+
+
+def _cached_probe(fn: Any, args: Any, kwargs: Any, leaves: list[Any], spec: Any) -> _Probe | None:
+    """:func:`_probe`, once per trace for each helper, argument layout, constant and host-scalar
+    expression: the same expressions take the same branches (the first probe recorded their guards)."""
+    cache = _PROBES.get()
+
+    def part(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device)
+        if isinstance(x, HyperParam):
+            return ("scalar", x.expr)
+        return ("constant", repr(x))
+
+    try:
+        key = (id(fn), str(spec), tuple(part(x) for x in leaves))
+        hash(key)
+    except TypeError:  # an unhashable shape (symbolic): not cached
+        return _probe(fn, args, kwargs)
+    if cache is None:
+        return _probe(fn, args, kwargs)
+    if key not in cache:
+        cache[key] = _probe(fn, args, kwargs)
+    return cache[key]
+
+
 def _opaque(fn: Any, wrapper: Any, keep_products: bool) -> Any:
     name = getattr(fn, "__qualname__", repr(fn))
 
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        why, probe = "", _probe(fn, args, kwargs)
+        why, probe = "", _cached_probe(fn, args, kwargs, leaves, spec)
         if probe is None:
             why = "it could not be run on stand-ins alone"
         elif keep_products and probe.products:
@@ -272,7 +305,7 @@ def opaque_compiled_helpers(opt: Any, step: Any, keep_products: bool, traced: di
     (``keep_products``: Newton–Schulz fusion is on) one that multiplies matrices. ``traced`` collects
     the helpers traced through after all, with why."""
     swapped: list[tuple[Any, Any]] = []
-    token = _TRACED_THROUGH.set(traced)
+    token, probes = _TRACED_THROUGH.set(traced), _PROBES.set({})
     try:
         for wrapper in compiled_wrappers(opt, step):
             names = wrapper.__code__.co_freevars
@@ -287,6 +320,7 @@ def opaque_compiled_helpers(opt: Any, step: Any, keep_products: bool, traced: di
         yield len(swapped)
     finally:
         _TRACED_THROUGH.reset(token)
+        _PROBES.reset(probes)
         for cell, original in swapped:
             cell.cell_contents = original
 

@@ -200,3 +200,22 @@ def test_a_compiled_helper_taking_hyperparameters_and_writing_in_place_runs_as_c
                 assert torch.equal(eager.state[p]["exp_avg"], compiled.state[q]["exp_avg"]), f"step {k}"
     assert "hocompile_torch::compiled_call" in hocompile.explain(compiled)
     assert compiled.counters.eager_fallbacks == 0 and not compiled.counters.recompiles
+
+
+def test_steps_calling_compiled_helpers_stamp_per_class(cache_dir: Path) -> None:
+    """The op's key is a digest of the call, so members of a class give one program: the step is traced
+    on one and two members per class, not per param (400 Lion params: 15 s -> 3 s first step)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(32, 16), (16,)] * 6
+    eager_params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    eager = CompiledLion(eager_params)
+    compiled = hocompile.compile_optimizer(CompiledLion(compiled_params), cache_dir=cache_dir)
+    for k in range(3):
+        for params in (eager_params, compiled_params):
+            _grads(params, k)
+        eager.step()
+        compiled.step()
+        assert all(torch.equal(p, q) for p, q in zip(eager_params, compiled_params)), f"step {k}"
+    assert all(e.stamped is not None for e in compiled.history), hocompile.explain(compiled)
+    assert compiled.counters.eager_fallbacks == 0

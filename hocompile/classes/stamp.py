@@ -105,8 +105,6 @@ def _unstampable(gm: fx.GraphModule) -> str:
             return f"it draws random numbers (`{node.format_node()}`): their order is the whole step's"
         if "c10d" in str(target) or "wait_tensor" in str(target):
             return "it issues collectives, whose order across ranks is the whole step's"
-        if str(target).startswith("hocompile_torch.compiled_call"):
-            return "it calls a torch.compile'd helper as an opaque op"
         if is_fallible(node):
             return f"`{node.format_node()}` can fail on the data, and the write fence spans the whole step"
     return ""
@@ -207,11 +205,15 @@ def _split_by_guards(
 
 
 def stamp_capture(
-    opt: torch.optim.Optimizer, structural: frozenset[str], lifted: frozenset[HostSlot] = frozenset()
+    opt: torch.optim.Optimizer,
+    structural: frozenset[str],
+    lifted: frozenset[HostSlot] = frozenset(),
+    opaque_helpers: bool = False,
 ) -> tuple[CapturedStep, Stamp] | str:
     """The representatives' capture and its stamp, or why the step must be traced whole.
 
     ``lifted``: the Python numbers the step is known to rewrite (they do not split classes).
+    ``opaque_helpers``: as :func:`~hocompile.capture.capture`'s (NS fusion off).
     A :class:`~hocompile.host_scalars.CaptureError` of a reduced trace propagates: the full
     trace would meet the same code.
     """
@@ -231,7 +233,7 @@ def stamp_capture(
     if aliased:
         return f"{aliased}: their updates are not independent"
     for _ in range(4):  # members whose own counters take another branch get a class of their own
-        one = capture(opt, structural, _view(opt, classes, 1))
+        one = capture(opt, structural, _view(opt, classes, 1), opaque_helpers)
         split = _split_by_guards(opt, one, classes)
         if split is None:
             break
@@ -245,7 +247,7 @@ def stamp_capture(
     reason = _unstampable(one.gm)
     if reason:
         return f"the step is traced whole: {reason}"
-    two = capture(opt, structural, _view(opt, classes, 2))
+    two = capture(opt, structural, _view(opt, classes, 2), opaque_helpers)
     split_foreach(one.gm)
     split_foreach(two.gm)
     p1, p2 = partition(one.gm, one.outputs), partition(two.gm, two.outputs)

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..capture import CapturedStep, capture, host_env, unwrapped_step
+from ..capture import CapturedStep, capture, host_env
 from ..classes.stamp import Stamp, stamp_capture
-from ..compiled_helpers import compiled_wrappers
 from ..diskcache import DiskCache
 from ..distributed.check import check_collectives_agree, check_replicated, planning_basis, rank0_target
 from ..distributed.replicated import resolve_group
@@ -313,10 +312,8 @@ def _stamped(
         return f"the {backend} backend compiles a step traced whole (class programs run on the aten lowering)"
     elif any(p.name == DistOwnership.name for p in pipeline):
         return "distributed='replicated' plans owners across all matrices: traced whole"
-    if opaque_helpers(settings) and compiled_wrappers(opt, unwrapped_step(opt)):
-        return "the step calls torch.compile'd helpers, run as opaque ops with NS fusion off: traced whole"
     with torch.no_grad():
-        found = stamp_capture(opt, settings.structural_keys, lifted)
+        found = stamp_capture(opt, settings.structural_keys, lifted, opaque_helpers(settings))
     if isinstance(found, str):
         return found
     captured, stamp = found
