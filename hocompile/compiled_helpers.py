@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 import inspect
 import os
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,113 +43,16 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .compiled_calls import _CALLS, _SCALAR, _TENSOR, _Call, _is_int, _key_for, compiled_call, describe_key
 from .executed_files import dynamo_wrapper_codes
 from .scalars import HyperParam
 
+_MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot", "linalg_matrix_power"})
 
-def _is_int(x: HyperParam) -> bool:
-    """Whether eager has an int here (a step counter): the expression's value from the real inputs,
-    with Python's own arithmetic, is one."""
-    real = x.tracker.real_value(x.expr)
-    return isinstance(real, int) and not isinstance(real, bool)
-
-
-OP_NAME = "hocompile_torch::compiled_call"
-
-
-@dataclass
-class _Call:
-    wrapper: Any  # the user's torch.compile'd function (Dynamo's wrapper)
-    fn: Any  # the plain Python it wraps
-    spec: Any  # of (args, kwargs), tensors taken out
-    constants: list[Any]  # the non-tensor leaves, None where a tensor goes (_SCALAR: a host scalar)
-    mutated: list[int] = field(default_factory=list)  # tensor arguments the function writes
-    out_spec: Any = None
-    outputs: int = 0  # tensors it returns
-    out_nones: list[bool] = field(default_factory=list)  # per returned leaf: None (an in-place helper's)
-    grad_enabled: bool = False  # the grad mode of the call in the step
-    int_scalars: list[bool] = field(default_factory=list)  # per host scalar argument: an int in eager
-
-
-# The dispatch-key sets of a thread outside any op (import time): what eager's calls run under.
-_TOP_LEVEL_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
-_CALLS: dict[int, _Call] = {}
-_SCALAR = object()  # in _Call.constants: a host scalar argument goes here (the op's ``scalars``)
 # The helpers the trace under way ran as plain Python after all, each with why (qualname -> why).
 _TRACED_THROUGH: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
     "hocompile_traced_through", default=None
 )
-_MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot", "linalg_matrix_power"})
-
-
-def _arguments(call: _Call, tensors: list[Tensor], scalars: list[float]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    it = iter(tensors)
-    # An int in eager (a step counter) is an int again: the op's float list carries it exactly (< 2**53).
-    sc = iter(int(v) if is_int else v for v, is_int in zip(scalars, call.int_scalars))
-    leaves = [next(it) if c is None else next(sc) if c is _SCALAR else c for c in call.constants]
-    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-    return args, kwargs
-
-
-def _run(call: _Call, fn: Any, tensors: list[Tensor], scalars: list[float], as_eager: bool = False) -> list[Tensor]:
-    clones = [t.clone() for t in tensors]
-    args, kwargs = _arguments(call, clones, scalars)
-    # As eager calls it: Dynamo guards on the grad mode and on each tensor's dispatch keys as seen
-    # through the thread's include/exclude sets, which an op's kernel runs with autograd excluded
-    # from. A cache entry of its own per call site reached Dynamo's recompile limit first, after
-    # which the helper ran as plain Python (aten's bits, not eager's).
-    keys = torch._C._ForceDispatchKeyGuard(*_TOP_LEVEL_KEYS) if as_eager else contextlib.nullcontext()
-    with keys, torch.set_grad_enabled(call.grad_enabled):
-        out = fn(*args, **kwargs)
-    every, out_spec = pytree.tree_flatten(out)
-    if not all(isinstance(x, Tensor) or x is None for x in every):
-        raise TypeError(f"{getattr(call.fn, '__qualname__', call.fn)} returns something other than tensors")
-    leaves = [x for x in every if x is not None]
-    call.out_spec, call.outputs = out_spec, len(leaves)
-    call.out_nones = [x is None for x in every]
-    taken: set[int] = {id(c) for c in clones}
-    results = []
-    for x in leaves:  # an op's outputs alias none of its inputs, nor each other
-        results.append(x.clone() if id(x) in taken else x)
-        taken.add(id(x))
-    return results + [clones[i] for i in call.mutated]
-
-
-def _key_for(record: _Call) -> int:
-    """The op's key: a digest of what the call is (the helper, where it is defined, the arguments'
-    structure and constants, what it writes, the grad mode), so the same step gives the same graph,
-    printed graph and cache key in every process. A different wrapper of the same description (the
-    function compiled twice) takes the next free key."""
-    fn = inspect.unwrap(record.fn)
-    code = getattr(fn, "__code__", None)
-    where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else ""
-    constants = ["<tensor>" if c is None else "<scalar>" if c is _SCALAR else repr(c) for c in record.constants]
-    text = repr((getattr(fn, "__qualname__", repr(fn)), where, str(record.spec), constants, record.mutated,
-                 record.int_scalars, record.grad_enabled))
-    key = int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
-    while key in _CALLS and _CALLS[key].wrapper is not record.wrapper:
-        key += 1
-    _CALLS.setdefault(key, record)
-    return key
-
-
-def describe_key(key: int) -> str:
-    """``name#digest`` of an op key: how graphs print it."""
-    call = _CALLS.get(key)
-    name = getattr(call.fn, "__qualname__", "?") if call is not None else "?"
-    return f"{name}#{key:012x}"
-
-
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def compiled_call(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
-    call = _CALLS[key]
-    return _run(call, call.wrapper, tensors, scalars, as_eager=True)
-
-
-@compiled_call.register_fake
-def _compiled_call_fake(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
-    call = _CALLS[key]
-    return _run(call, call.fn, tensors, scalars)
 
 
 class _Products(TorchDispatchMode):
@@ -252,7 +154,7 @@ def _opaque(fn: Any, wrapper: Any, keep_products: bool) -> Any:
             return fn(*args, **kwargs)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         scalars = [x for x in leaves if isinstance(x, HyperParam)]
-        constants = [None if isinstance(x, Tensor) else _SCALAR if isinstance(x, HyperParam) else x for x in leaves]
+        constants = [_TENSOR if isinstance(x, Tensor) else _SCALAR if isinstance(x, HyperParam) else x for x in leaves]
         assert probe is not None
         record = _Call(
             wrapper, fn, spec, constants, mutated=probe.mutated, grad_enabled=torch.is_grad_enabled(),

@@ -219,3 +219,153 @@ def test_steps_calling_compiled_helpers_stamp_per_class(cache_dir: Path) -> None
         assert all(torch.equal(p, q) for p, q in zip(eager_params, compiled_params)), f"step {k}"
     assert all(e.stamped is not None for e in compiled.history), hocompile.explain(compiled)
     assert compiled.counters.eager_fallbacks == 0
+
+
+def test_the_lowered_step_calls_a_helper_in_place_on_contiguous_tensors_and_on_copies_otherwise(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lowered module calls the helper itself, not through the dispatcher: on the step's own
+    momentum where every input is contiguous (its write-back dropped), on a copy of what it writes
+    otherwise (a transposed param: the plain module). Bitwise eager's either way."""
+    gen = torch.Generator().manual_seed(2)
+    eager_params = [
+        torch.nn.Parameter(torch.randn(32, 16, generator=gen)),
+        torch.nn.Parameter(torch.randn(24, 40, generator=gen).t()),  # not contiguous: the plain module
+    ]
+    compiled_params = [torch.nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in eager_params]
+    assert not compiled_params[1].is_contiguous()
+    eager = CompiledLion(eager_params)
+    compiled = hocompile.compile_optimizer(CompiledLion(compiled_params), cache_dir=cache_dir)
+    from hocompile import compiled_calls
+
+    clones: list[str] = []
+    run = compiled_calls._run
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        clones.append(kwargs.get("clone", "all"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_calls, "_run", spy)
+    for k in range(4):
+        for params in (eager_params, compiled_params):
+            gen_k = torch.Generator().manual_seed(50 + k)
+            for p in params:  # grads with the params' own layout
+                g = torch.randn(p.shape[::-1] if not p.is_contiguous() else p.shape, generator=gen_k)
+                p.grad = g.t() if not p.is_contiguous() else g
+        eager.step()
+        compiled.step()
+        for p, q in zip(eager_params, compiled_params):
+            assert torch.equal(p, q), f"step {k}"
+            assert torch.equal(eager.state[p]["exp_avg"], compiled.state[q]["exp_avg"]), f"step {k}"
+    assert compiled.counters.eager_fallbacks == 0
+    source = compiled.history[-1].lowered.source
+    assert "call_in_place(" in source and "torch.ops.hocompile_torch.compiled_call" not in source, source
+    assert "exp_avg.copy_(" not in source, source  # the momentum's write-back is the helper's own write
+    # The transposed param makes the step run the plain module: the helper on a copy of the momentum.
+    assert "written" in clones and "none" not in clones, clones
+
+
+def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place() -> None:
+    """The rewrite's guard, on a graph a pass could produce: the momentum's old value read after the
+    call. That call copies what it writes (call_directly) and keeps its write-back."""
+    import operator
+
+    import torch.fx as fx
+
+    from hocompile import compiled_calls as ch
+    from hocompile.lowering.helper_calls import call_helpers
+
+    for read_after in (False, True):
+        arguments = ((torch.ones(2), torch.ones(2)), {"betas": (0.9, 0.99), "step": 1})
+        _, spec = torch.utils._pytree.tree_flatten(arguments)
+        record = ch._Call(lion_helpers.update, _lion_update, spec, [ch._TENSOR] * 2 + [ch._SCALAR] * 3,
+                          mutated=[1], outputs=1, int_scalars=[False, False, True])
+        key = ch._key_for(record)
+        graph = fx.Graph()
+        grad, avg, h = graph.placeholder("grad"), graph.placeholder("avg"), graph.placeholder("h")
+        for n in (grad, avg):
+            n.meta["val"] = torch.ones(2)
+        call = graph.call_function(torch.ops.hocompile_torch.compiled_call.default, ([grad, avg], [h, h, h], key))
+        update = graph.call_function(operator.getitem, (call, 0))
+        new_avg = graph.call_function(operator.getitem, (call, 1))
+        copied = graph.call_function(torch.ops.aten.copy.default, (avg, new_avg))
+        late = graph.call_function(torch.ops.aten.mul.Tensor, (avg, 2.0)) if read_after else update
+        back = graph.call_function(torch.ops.aten.copy_.default, (avg, copied))
+        back.meta["hocompile.origin"] = "writeback"
+        graph.output((update, late))
+        done = call_helpers(graph, in_place=True)
+        targets = [n.target for n in graph.nodes if n.op == "call_function"]
+        if read_after:
+            assert not done and ch.call_directly in targets and torch.ops.aten.copy_.default in targets
+        else:
+            assert done == [call.name] and ch.call_in_place in targets and torch.ops.aten.copy_.default not in targets
+
+
+def test_a_calls_arguments_are_rebuilt_as_pytree_would() -> None:
+    """The generated argument builder (pytree's unflatten, without its cost per call) gives what
+    pytree gives, for tuples, lists, dicts, None, ints in eager, constants; other containers use pytree."""
+    import collections
+
+    from hocompile import compiled_calls as ch
+
+    pair = collections.namedtuple("pair", "a b")
+    t0, t1 = torch.ones(2), torch.zeros(3)
+    structures = [
+        ((t0, [t1, ch._SCALAR]), {"betas": (ch._SCALAR, ch._SCALAR), "step": ch._SCALAR, "flag": True}),
+        ((None, t0, "name", (t1,)), {3: ch._SCALAR, "nested": {"x": [t0, None]}}),
+        ((pair(t0, ch._SCALAR),), {}),
+    ]
+    for structure in structures:
+        leaves, spec = torch.utils._pytree.tree_flatten(structure)
+        constants = [ch._TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        scalars = [0.5 + i for i, x in enumerate(leaves) if x is ch._SCALAR]
+        record = ch._Call(None, None, spec, constants, int_scalars=[i % 2 == 1 for i in range(len(scalars))])
+        built = ch._builder(record)(tensors, scalars)
+        expected = ch._arguments(record, tensors, scalars)
+        assert repr(built) == repr(expected)
+        assert [type(x) for x in torch.utils._pytree.tree_leaves(built)] == [
+            type(x) for x in torch.utils._pytree.tree_leaves(expected)
+        ]
+
+
+@torch.no_grad()
+def _masked_update(grad: torch.Tensor, exp_avg: torch.Tensor, mask: torch.Tensor | None, beta: float) -> torch.Tensor:
+    exp_avg.lerp_(grad, 1 - beta)
+    return exp_avg.sign() if mask is None else exp_avg.sign() * mask
+
+
+masked_helpers = types.ModuleType("masked_helpers")
+masked_helpers.update = torch.compile(_masked_update)  # type: ignore[attr-defined]
+
+
+class MaskedSign(torch.optim.Optimizer):
+    """A helper called with an argument left None (pytree's leaf, like a tensor's place)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr, "beta": 0.9})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.add_(masked_helpers.update(p.grad, state["exp_avg"], None, group["beta"]), alpha=-group["lr"])
+
+
+def test_a_helper_called_with_a_none_argument_runs_as_compiled(cache_dir: Path) -> None:
+    gen = torch.Generator().manual_seed(3)
+    eager_params = [torch.nn.Parameter(torch.randn(16, 8, generator=gen)), torch.nn.Parameter(torch.randn(8))]
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    eager = MaskedSign(eager_params)
+    compiled = hocompile.compile_optimizer(MaskedSign(compiled_params), cache_dir=cache_dir)
+    for k in range(3):
+        for params in (eager_params, compiled_params):
+            _grads(params, k)
+        eager.step()
+        compiled.step()
+        assert all(torch.equal(p, q) for p, q in zip(eager_params, compiled_params)), f"step {k}"
+    assert "compiled_call" in hocompile.explain(compiled)
+    assert compiled.counters.eager_fallbacks == 0

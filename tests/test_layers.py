@@ -31,7 +31,7 @@ LAYERS = {
     "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
                 "ops", "ops_schema", "families", "targets", "distributed", "classes", "graph_codec",
                 "executed_files", "fused_kernels", "capture_errors", "containers", "capture_containers",
-                "capture_slots", "host_reads", "compiled_helpers", "stand_ins"),
+                "capture_slots", "host_reads", "compiled_helpers", "compiled_calls", "stand_ins"),
     "passes": ("passes",),
     "lowering": ("lowering",),
     "runtime": ("runtime", "settings", "dynamo"),

@@ -25,11 +25,12 @@ from ..diskcache import DiskCache, load_generated
 from ..graph import print_graph
 from ..passes.measure_ns import intra_op_threads
 from .fused_updates import fuse_updates
+from .helper_calls import call_helpers
 from .reinplace import Reinplaced, reinplace, reuse_temporaries
 from .writeback import schedule_writebacks
 
-LOWERING_VERSION = "aten-6"  # 3: re-inplaced write-backs; 4: registered ops called directly; 5: threads;
-# 6: aten ops called as tensor methods
+LOWERING_VERSION = "aten-7"  # 3: re-inplaced write-backs; 4: registered ops called directly; 5: threads;
+# 6: aten ops called as tensor methods; 7: compiled helpers called directly, in place
 
 
 @dataclass
@@ -101,6 +102,7 @@ def lower_to_aten(
     kept = schedule_writebacks(gm, copy_into)
     plain_graph = fx.Graph(owning_module=gm)
     plain_graph.output(plain_graph.graph_copy(gm.graph, {}))
+    call_helpers(plain_graph, in_place=False)
     call_kernels_directly(plain_graph)
     call_tensor_methods(plain_graph)
     keep_collective_inputs_alive(plain_graph)
@@ -108,12 +110,13 @@ def lower_to_aten(
     graph = fx.Graph(owning_module=gm)
     graph.output(graph.graph_copy(gm.graph, {}))
     fused = fuse_updates(graph) if fused_updates else []
+    helpers_in_place = call_helpers(graph, in_place=True)
     done = reinplace(graph)
     reused = reuse_temporaries(graph)
     call_kernels_directly(graph)
     call_tensor_methods(graph)
     keep_collective_inputs_alive(graph)
-    if not fused and not done and not reused:
+    if not fused and not done and not reused and not helpers_in_place:
         module, path, body, from_disk = _load(cache, key, header, plain)
         return LoweredStep(_runner(module.forward, gm), path, key, from_disk, body, kept)
     fast, path, body, from_disk = _load(cache, key, header, _transformed(graph, transform))
