@@ -124,7 +124,7 @@ def _run(
     modes = _no_function_modes() if as_eager and torch._C._len_torch_function_stack() else contextlib.nullcontext()
     with keys, modes, torch.set_grad_enabled(call.grad_enabled):
         out = fn(*args, **kwargs)
-    if isinstance(out, Tensor) and call.out_spec is not None and call.out_spec.is_leaf():
+    if isinstance(out, Tensor) and _one_tensor(call):
         leaves = [out]  # as the trace saw it: one tensor (pytree's flatten costs a few us)
     else:
         every, out_spec = pytree.tree_flatten(out)
@@ -185,6 +185,11 @@ def compiled_call(tensors: list[Tensor], scalars: list[float], key: int) -> list
     return _run(call, call.wrapper, tensors, scalars, as_eager=True)
 
 
+def _one_tensor(call: _Call) -> bool:
+    """Whether the helper returned one tensor, not in a container (None is pytree's leaf too)."""
+    return call.out_spec is not None and call.out_spec.is_leaf() and call.out_nones == [False]
+
+
 def call_directly(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
     """The op's kernel without the dispatcher (~60 us a call), copying only what the helper writes."""
     call = _CALLS[key]
@@ -195,7 +200,7 @@ def call_in_place(tensors: list[Tensor], scalars: list[float], key: int) -> list
     """The helper writes the step's own tensors, as eager's call does (lowering/helper_calls.py says when).
     :func:`_run`'s work in short where the call returns one tensor (most updates), a few us a call less."""
     call = _CALLS[key]
-    if not (call.build is not None and call.out_spec is not None and call.out_spec.is_leaf()):
+    if call.build is None or not _one_tensor(call):
         return _run(call, call.wrapper, tensors, scalars, as_eager=True, clone="none")
     args, kwargs = call.build(tensors, scalars)
     modes = _no_function_modes() if torch._C._len_torch_function_stack() else contextlib.nullcontext()
