@@ -198,3 +198,63 @@ def test_checks_leave_python_state_and_the_random_stream_alone(cache_dir: Any) -
     assert compiled.optimizer.calls == eager.calls == 5  # type: ignore[attr-defined]
     assert torch.equal(compiled.param_groups[0]["step"], eager.param_groups[0]["step"])
     assert sum(e.self_check.checks for e in compiled.history) >= 3
+
+
+BIG = [(2304, 1824), (64,), (24, 40)]  # 4.2M elements: past check_slices.SLICE_FROM
+
+
+def _views(monkeypatch: Any) -> list[dict[Any, slice]]:
+    """The rows of every view a check builds, in order (a spy on check_view.View)."""
+    from hocompile.runtime import check_view
+
+    views: list[dict[Any, slice]] = []
+    real_init = check_view.View.__init__
+
+    def spy(self: Any, keep: Any, rows: Any = None) -> None:
+        views.append(dict(rows or {}))
+        real_init(self, keep, rows)
+
+    monkeypatch.setattr(check_view.View, "__init__", spy)
+    return views
+
+
+def test_a_huge_elementwise_member_is_first_checked_on_its_leading_rows(cache_dir: Any, monkeypatch: Any) -> None:
+    """AdamW's first-step and steady programs each check the 4.2M-element member on a slice first, then
+    whole; every step bitwise eager's. The slice is what the first check compared (a spy on the view)."""
+    views = _views(monkeypatch)
+    eager = torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False)
+    compiled = hocompile.compile_optimizer(torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False),
+                                           cache_dir=cache_dir)
+    assert _run(eager, compiled, 4) == [0.0] * 4
+    _state_bitwise(eager, compiled)
+    first, steady = compiled.history[0].self_check, compiled.history[-1].self_check
+    assert first.checks == 1 and first.sliced == 1, first
+    assert steady.checks == 2 and steady.sliced == 0, steady  # its second check: whole
+    assert [len(v) for v in views] == [1, 1, 0], views
+    (rows,) = views[0].values()
+    assert rows.stop * 1824 <= 1 << 17
+    assert "1 of them on leading rows" in first.describe()
+
+
+def test_a_wrong_elementwise_op_seen_on_a_slice_is_settled_whole(cache_dir: Any, monkeypatch: Any) -> None:
+    """The slice sees the planted error; the check on the whole member confirms it (a slice alone never
+    fails a program), the warning names it and nothing of the wrong step is applied."""
+    views = _views(monkeypatch)
+    eager = torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False)
+    compiled = _planted(torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False), PerturbFirstMul(), cache_dir)
+    with pytest.warns(SelfCheckWarning, match=r"params'\]\[0\] differs where the plan keeps eager's arithmetic"):
+        diffs = _run(eager, compiled, 2)
+    assert diffs == [0.0] * 2
+    _state_bitwise(eager, compiled)
+    assert [len(v) for v in views[:2]] == [1, 0]  # on the slice, then whole
+    assert compiled.history[0].self_check.sliced == 0 and compiled.history[0].self_check.failed
+
+
+def test_a_program_that_is_not_elementwise_is_checked_whole(cache_dir: Any) -> None:
+    """Muon's NS is not elementwise: its huge member is checked whole on the first check too."""
+    from hocompile.runtime.check_slices import elementwise
+
+    compiled = hocompile.compile_optimizer(torch.optim.Muon(_params([(2304, 1824)]), lr=0.02), cache_dir=cache_dir)
+    _run(torch.optim.Muon(_params([(2304, 1824)]), lr=0.02), compiled, 2)
+    assert all(e.self_check.sliced == 0 for e in compiled.history)
+    assert all(not elementwise(e.captured.gm) for e in compiled.history if e.captured is not None)

@@ -22,6 +22,7 @@ import torch
 
 from ..containers import flatten, holds_tensors
 from ..stand_ins import real_id
+from .check_slices import sliced
 from .verify import copy_param, put_back, require_untouched, tensor_versions
 
 
@@ -45,8 +46,9 @@ class View:
     """Copies of some of an optimizer's params (grads, attributes and state with them), swapped in
     for one run: groups hold only ``keep[g]``'s copies, group and attribute tensors are clones."""
 
-    def __init__(self, keep: list[list[int]]) -> None:
+    def __init__(self, keep: list[list[int]], rows: dict[tuple[int, int], slice] | None = None) -> None:
         self.keep = keep
+        self.rows = rows or {}  # members (group, index) held as copies of their leading rows (check_slices.py)
 
     def only(self, members: set[tuple[int, int]], opt: torch.optim.Optimizer) -> View:
         """This view's members in ``members`` (and every param without a grad, as the stamp's proof ran)."""
@@ -54,19 +56,23 @@ class View:
         return View([
             [i for i in keep if (g, i) in members or groups[g]["params"][i].grad is None]
             for g, keep in enumerate(self.keep)
-        ])
+        ], self.rows)
 
     def run(self, opt: torch.optim.Optimizer, body: Callable[[Any], Any], modes: list[Any] | None = None) -> ViewResult:
         groups = opt.param_groups
         saved_groups, saved_state, saved_attrs = [dict(g) for g in groups], opt.state, dict(vars(opt))
         groups_params = [[g["params"][i] for i in keep] for g, keep in zip(groups, self.keep)]
         versions = tensor_versions(opt)
-        copies = [[copy_param(group["params"][i]) for i in keep] for group, keep in zip(groups, self.keep)]
+        rows = self.rows
+        copies = [
+            [copy_param(group["params"][i], rows.get((g, i))) for i in keep]
+            for g, (group, keep) in enumerate(zip(groups, self.keep))
+        ]
         # The kept members' tensors, by identity, to their copies: an attribute that *is* a param
         # (QK-Clip's w_q) must be that param's copy in the view, as it is the param itself outside.
         memo: dict[int, Any] = {}
         state: defaultdict[torch.Tensor, dict[Any, Any]] = defaultdict(dict)
-        for group, keep, group_copies in zip(groups, self.keep, copies):
+        for g, (group, keep, group_copies) in enumerate(zip(groups, self.keep, copies)):
             for i, c in zip(keep, group_copies):
                 p = group["params"][i]
                 memo[id(p)] = c
@@ -74,17 +80,19 @@ class View:
                     memo[id(p.grad)] = c.grad
                 real = saved_state.get(p)
                 if real is not None:
-                    state[c] = {k: _private(v, memo) for k, v in real.items()}
+                    part = rows.get((g, i))
+                    state[c] = {k: _private(v if part is None else sliced(v, p, part), memo) for k, v in real.items()}
                     memo.update((id(v), state[c][k]) for k, v in real.items() if isinstance(v, torch.Tensor))
         held = _member_storages(opt, saved_state) if _holds_other_tensors(groups, saved_attrs) else set()
         before: dict[str, torch.Tensor] = {}  # the real tensors: unchanged while the view runs
         for g, (group, keep) in enumerate(zip(groups, self.keep)):
             for i in keep:
                 p = group["params"][i]
-                before[f"g{g}.p{i}"] = p
+                part = rows.get((g, i))
+                before[f"g{g}.p{i}"] = p if part is None else p[part]
                 for key, value in saved_state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
-                        before[f"g{g}.p{i}.{key}"] = value
+                        before[f"g{g}.p{i}.{key}"] = value if part is None else sliced(value, p, part)
         try:
             with _random_state_kept(), torch.no_grad(), ExitStack() as stack:
                 for group, group_copies in zip(groups, copies):

@@ -15,6 +15,10 @@ the two agree and eagerly if not, so a mismatch leaves nothing half-applied.
   class: the first and last on a program's first check (the members the
   stamp's proof traced), then one a check, a different one each time, so
   the checks walk through each class. A step traced whole is checked whole.
+- **Huge elementwise members, first check on a slice.** A program's first
+  check runs a member of millions of elements whose class program is
+  elementwise (AdamW's embedding) on its leading rows (check_slices.py);
+  its later checks run it whole.
 - **Within the plan's budget** (judgement.py): where the plan keeps eager's
   arithmetic, bitwise on the aten lowering (8 units in the last place on the
   others, whose pointwise kernels contract to FMAs); downstream of a planned
@@ -59,6 +63,7 @@ import torch
 
 from ..capture import unwrapped_step
 from ..graph import InputSlot
+from .check_slices import first_check_slices
 from .check_view import UnfaithfulView, View, ViewResult, describe_name, same_bits
 from .judgement import judge_tensor
 from .judgement_modes import Boundaries, Rounding, reference_run
@@ -118,6 +123,7 @@ class SelfCheck:
     pending: bool = False  # a check came due and waits for the budget
     postponed: int = 0  # checks that came due beyond the budget and ran later
     members: int = 0  # members the last check ran (of ``of``)
+    sliced: int = 0  # ... of which on their leading rows only (a first check: check_slices.py)
     of: int = 0
     worst: str = ""  # the last check's tensor closest to its bound
     skipped: str = ""  # why this program is not checked
@@ -132,7 +138,8 @@ class SelfCheck:
             return "self-check: not run yet"
         each = self.seconds / self.checks
         head = f"self-check: {self.checks} step(s) checked against eager "
-        head += f"({self.members} of {self.of} params on the last, "
+        head += f"({self.members} of {self.of} params on the last"
+        head += f", {self.sliced} of them on leading rows, " if self.sliced else ", "
         head += f"{each * 1e3:.1f} ms per check"
         if self.postponed:
             share = self.seconds / self.step_seconds if self.step_seconds else 0.0
@@ -168,7 +175,44 @@ def check(
     record = entry.self_check
     started = time.perf_counter()
     keep, remapped = _sample(opt, entry, record.checks)
-    view = View(keep)
+    # A program's first check: huge elementwise members on their leading rows (check_slices.py). Whatever
+    # the slice does not settle (a difference, an error on it) is settled by the check on the whole.
+    rows = first_check_slices(opt, entry, keep) if record.checks == 0 else {}
+    outcome: tuple[list[str], str] | str | None = None
+    if rows:
+        try:
+            outcome = _check_on(View(keep, rows), opt, entry, remapped, settings, run, sliced=True)
+        except Exception as exc:  # noqa: BLE001 - the slice cannot stand for the member: checked whole
+            log.info("self-check on row slices not possible (%s: %s); checking whole", type(exc).__name__, exc)
+        if not isinstance(outcome, tuple) or outcome[0]:
+            outcome, rows = None, {}
+    if outcome is None:
+        outcome = _check_on(View(keep), opt, entry, remapped, settings, run, sliced=False)
+    if isinstance(outcome, str):
+        return outcome
+    problems, worst = outcome
+    record.checks += 1
+    record.members, record.of = sum(map(len, keep)), sum(len(g["params"]) for g in opt.param_groups)
+    record.sliced = len(rows)
+    record.worst = worst
+    record.each.append(time.perf_counter() - started)
+    record.seconds += record.each[-1]
+    return "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
+def _check_on(
+    view: View,
+    opt: torch.optim.Optimizer,
+    entry: CompiledEntry,
+    remapped: CompiledEntry,
+    settings: Settings,
+    run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
+    sliced: bool,
+) -> tuple[list[str], str] | str:
+    """The compiled step and eager's on ``view``: (problems, the worst planned tensor), or the check's
+    answer without comparing ('' not checkable, with why in the record; eager's error). ``sliced``:
+    every error is raised (the caller checks whole instead)."""
+    record = entry.self_check
     planned = _planned(entry, settings.fused_updates)
     opted_out = settings.precision != "auto" or bool(settings.schedule) or settings.error_budget is not None
     recorder = Boundaries()
@@ -176,6 +220,8 @@ def check(
         with recorder:  # an error here is the compiled step's own: raised as the real step would (nothing written)
             got = view.run(opt, lambda o: run(o, remapped))
     except UnfaithfulView as exc:  # copies cannot stand for what the optimizer holds: not checked, and said
+        if sliced:
+            raise
         record.skipped = f"the check's copies cannot hold what it holds: {exc}"
         return ""
     step, recorded = unwrapped_step(opt), recorder.recorded
@@ -201,15 +247,11 @@ def check(
                     for k in range(PROBES)
                 ]
     except Exception as exc:  # noqa: BLE001 - eager's own error: the real eager step raises it again
+        if sliced:
+            raise
         return f"eager's step could not run on copies ({type(exc).__name__}: {exc})"
     units = 0.0 if entry.lowered is None or entry.lowered.backend == "aten" else POINTWISE_ULPS
-    problems, worst = _compare(got, reference, probes, planned, units, opted_out)
-    record.checks += 1
-    record.members, record.of = sum(map(len, keep)), sum(len(g["params"]) for g in opt.param_groups)
-    record.worst = worst
-    record.each.append(time.perf_counter() - started)
-    record.seconds += record.each[-1]
-    return "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    return _compare(got, reference, probes, planned, units, opted_out)
 
 
 def _differ(got: ViewResult, want: ViewResult, planned: Callable[[str], bool]) -> set[tuple[int, int]]:

@@ -334,14 +334,15 @@ def put_back(
             setattr(opt, key, value)
 
 
-def copy_param(p: torch.Tensor) -> torch.Tensor:
-    c = p.detach().clone()
+def copy_param(p: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    """A copy of ``p`` with its grad and Python attributes; of its leading ``rows`` only if given."""
+    c = (p.detach() if rows is None else p.detach()[rows]).clone()
     if isinstance(p, torch.nn.Parameter):
         c = torch.nn.Parameter(c, requires_grad=p.requires_grad)
     elif p.requires_grad:
         c.requires_grad_(True)
     if p.grad is not None:
-        c.grad = p.grad.detach().clone()
+        c.grad = (p.grad.detach() if rows is None else p.grad.detach()[rows]).clone()
     # What the step reads of the param besides its data (Megatron's is_qkv, partition_dim): the
     # copy must take the same branches, or eager on copies is another step (stand_ins.py).
     c.__dict__.update(p.__dict__)
