@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import stand_ins
+from . import matmul_precision, stand_ins
 from .capture_containers import ContainerTrace, TreeWrite, container_attributes, leaf_aliases
 from .capture_slots import (
     TraceView,
@@ -420,13 +420,9 @@ def _capture(
             f"fused=True: torch's {', '.join(first.fused_kernels)} kernel runs inside the step as an opaque op "
             "(hocompile_torch::, bitwise eager's fused step; it copies the lists it updates once per step)"
         )
-    if any(p != "highest" for p in first.matmul_precisions):
-        # On CPU aten ignores it (measured: identical fp32 mm results); a GPU
-        # lowering must honour it, since there it means TF32 / bf16 passes.
-        notes.append(
-            f"the step runs matmuls under float32 matmul precision {first.matmul_precisions}; "
-            "no effect on CPU, GPU lowerings must honour it"
-        )
+    precision_note = matmul_precision.tag(gm, first.matmul_precisions, f"{type(opt).__name__}.step")
+    if precision_note:
+        notes.append(precision_note)
     return CapturedStep(
         gm=gm,
         inputs=tuple(slots),

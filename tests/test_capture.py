@@ -68,5 +68,7 @@ def test_matmul_precision_changes_inside_the_step_are_noted() -> None:
     opt = emerging_muon(params, lr=0.02, fp32_matmul_prec="medium")
     params[0].grad = torch.randn(8, 4)
     captured = capture(opt, STRUCTURAL_KEYS)
-    assert any("float32 matmul precision ['medium']" in note for note in captured.notes)
+    assert any("ran under float32 matmul precision 'medium'" in note for note in captured.notes)
+    products = [n for n in captured.gm.graph.nodes if "mm" in str(n.target)]
+    assert products and all(n.meta.get("hocompile.matmul_precision") == "medium" for n in products)
     assert torch.get_float32_matmul_precision() == "highest"  # restored by the optimizer itself

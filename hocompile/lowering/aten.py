@@ -23,14 +23,15 @@ from torch.fx.graph import PythonCode
 from ..decisions import decisions_of
 from ..diskcache import DiskCache, load_generated
 from ..graph import print_graph
+from ..matmul_precision import honour as honour_matmul_precision
 from ..passes.measure_ns import intra_op_threads
 from .fused_updates import fuse_updates
 from .helper_calls import call_helpers
 from .reinplace import Reinplaced, reinplace, reuse_temporaries
 from .writeback import schedule_writebacks
 
-LOWERING_VERSION = "aten-7"  # 3: re-inplaced write-backs; 4: registered ops called directly; 5: threads;
-# 6: aten ops called as tensor methods; 7: compiled helpers called directly, in place
+LOWERING_VERSION = "aten-8"  # 3: re-inplaced write-backs; 4: registered ops called directly; 5: threads;
+# 6: aten ops called as tensor methods; 7: compiled helpers called directly, in place; 8: matmul precision
 
 
 @dataclass
@@ -102,6 +103,7 @@ def lower_to_aten(
     kept = schedule_writebacks(gm, copy_into)
     plain_graph = fx.Graph(owning_module=gm)
     plain_graph.output(plain_graph.graph_copy(gm.graph, {}))
+    honour_matmul_precision(plain_graph)
     call_helpers(plain_graph, in_place=False)
     call_kernels_directly(plain_graph)
     call_tensor_methods(plain_graph)
@@ -110,6 +112,7 @@ def lower_to_aten(
     graph = fx.Graph(owning_module=gm)
     graph.output(graph.graph_copy(gm.graph, {}))
     fused = fuse_updates(graph) if fused_updates else []
+    honour_matmul_precision(graph)
     helpers_in_place = call_helpers(graph, in_place=True)
     done = reinplace(graph)
     reused = reuse_temporaries(graph)
