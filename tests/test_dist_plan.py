@@ -191,3 +191,19 @@ def test_replicated_without_a_process_group_is_refused() -> None:
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="needs torch.distributed initialised"):
         hocompile.compile_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))]), distributed="replicated")
+
+
+def test_megatrons_numel_rule_beside_the_cost_plan() -> None:
+    """Megatron 0.19's layer-wise rule balances elements: one square 2048² matrix (NS cost ∝ max·min²:
+    8.6e9) and four 16384x256 ones of as many elements (1.1e9 each) on 2 ranks put the square and two
+    thin ones on rank 0; hocompile's LPT by cost gives the square a rank of its own (1.25x sooner)."""
+    from hocompile.distributed.plan import assign_by_numel
+
+    shapes = [(2048, 2048)] + [(16384, 256)] * 4
+    items = [Item(f"m{k}", s, "fp32", float(max(s) * min(s) ** 2)) for k, s in enumerate(shapes)]
+    by_numel, by_cost = assign_by_numel(items, 2), assign_owners(items, 2)
+    assert by_numel.owners == (0, 1, 0, 1, 0)
+    assert by_cost.owners[0] != by_cost.owners[1] and len(set(by_cost.owners[1:])) == 1
+    square, thin = 2048.0**3, 16384.0 * 256**2
+    assert max(by_numel.loads) == square + 2 * thin and max(by_cost.loads) == square
+    assert max(by_numel.loads) / max(by_cost.loads) == pytest.approx(1.25)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -171,3 +172,23 @@ def assign_owners(items: Sequence[Item], world: int, loads: Sequence[float] | No
         load[rank] = current + items[k].cost
         heapq.heappush(heap, (load[rank], rank))
     return DistPlan(world, tuple(items), tuple(owners), tuple(load))
+
+
+def assign_by_numel(items: Sequence[Item], world: int) -> DistPlan:
+    """Megatron Core 0.19's layer-wise rule, for comparison (``LayerWiseDistributedOptimizer``): per
+    bucket, items by element count (descending) to the rank holding the fewest of the bucket's elements.
+    Its loads are the items' costs all the same: what each rank then spends orthogonalising."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    owners = [0] * len(items)
+    load = [0.0] * world
+    for bucket in sorted({i.bucket for i in items}):
+        held = [0] * world
+        members = [k for k in range(len(items)) if items[k].bucket == bucket]
+        for k in sorted(members, key=lambda k: (-math.prod(items[k].shape), k)):
+            rank = min(range(world), key=lambda r: (held[r], r))
+            owners[k] = rank
+            held[rank] += math.prod(items[k].shape)
+            load[rank] += items[k].cost
+    return DistPlan(world, tuple(items), tuple(owners), tuple(load))
+
