@@ -8,8 +8,8 @@ The captured graph holds the ``mm`` and not the setting, so the compiled step ra
 the caller had (its default "highest"): a silently different step, caught only by the self-check.
 
 The capture records the setting at each product (host_scalars.HostScalarMode). One setting for the
-step's products (the usual case, whether set globally or around them): each aten product of the graph
-is tagged with it, and the aten lowering calls it under that setting (:func:`honour`). Products under
+step's products (the usual case, whether set globally or around them): each op of the graph
+is tagged with it, and the aten lowering calls every product under that setting (:func:`honour`). Products under
 different settings in one step cannot be told apart in the graph: the step is refused, naming them.
 Products inside hocompile's own ops (fused Newton–Schulz) follow their plan, not the tag.
 """
@@ -47,8 +47,8 @@ def tag(gm: fx.GraphModule, precisions: Iterable[str], where: str) -> str:
         )
     if not seen or seen == ["highest"]:
         return ""
-    for node in gm.graph.nodes:
-        if _is_product(node):
+    for node in gm.graph.nodes:  # every op: a product a pass makes later finds the step's setting beside it
+        if node.op == "call_function":
             node.meta[MATMUL_PRECISION] = seen[0]
     return (f"the step's matrix products ran under float32 matmul precision {seen[0]!r}: the compiled step "
             "runs each under it too (planned Newton–Schulz follows its plan)")
@@ -82,11 +82,14 @@ def _under(fn: Any, precision: str) -> Callable[..., Any]:
 
 
 def honour(graph: fx.Graph) -> int:
-    """Call each tagged product under its setting (before aten calls become tensor methods); how many."""
+    """Call every aten product of a tagged step's graph under the step's one setting (before aten calls
+    become tensor methods), those a pass made after the capture included; how many."""
+    precision = next((n.meta[MATMUL_PRECISION] for n in graph.nodes if MATMUL_PRECISION in n.meta), None)
+    if precision is None:
+        return 0
     done = 0
     for node in graph.nodes:
-        precision = node.meta.get(MATMUL_PRECISION)
-        if precision and _is_product(node):
+        if _is_product(node):
             node.target = _under(node.target, precision)
             done += 1
     return done

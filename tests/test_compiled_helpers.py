@@ -266,8 +266,9 @@ def test_the_lowered_step_calls_a_helper_in_place_on_contiguous_tensors_and_on_c
 
 
 def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place() -> None:
-    """The rewrite's guard, on a graph a pass could produce: the momentum's old value read after the
-    call. That call copies what it writes (call_directly) and keeps its write-back."""
+    """The rewrite's guards, on graphs a pass could produce: the momentum's old value read after the
+    call, or a view of it passed beside it. Such a call copies what it writes (call_directly) and keeps
+    its write-back."""
     import operator
 
     import torch.fx as fx
@@ -275,7 +276,7 @@ def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place()
     from hocompile import compiled_calls as ch
     from hocompile.lowering.helper_calls import call_helpers
 
-    for read_after in (False, True):
+    for read_after, view_beside in ((False, False), (True, False), (False, True)):
         arguments = ((torch.ones(2), torch.ones(2)), {"betas": (0.9, 0.99), "step": 1})
         _, spec = torch.utils._pytree.tree_flatten(arguments)
         record = ch._Call(lion_helpers.update, _lion_update, spec, [ch._TENSOR] * 2 + [ch._SCALAR] * 3,
@@ -285,7 +286,10 @@ def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place()
         grad, avg, h = graph.placeholder("grad"), graph.placeholder("avg"), graph.placeholder("h")
         for n in (grad, avg):
             n.meta["val"] = torch.ones(2)
-        call = graph.call_function(torch.ops.hocompile_torch.compiled_call.default, ([grad, avg], [h, h, h], key))
+        tensors = [grad, avg]
+        if view_beside:  # a view of the momentum passed beside it: writing it in place would change the view
+            tensors.append(graph.call_function(torch.ops.aten.view.default, (avg, [2])))
+        call = graph.call_function(torch.ops.hocompile_torch.compiled_call.default, (tensors, [h, h, h], key))
         update = graph.call_function(operator.getitem, (call, 0))
         new_avg = graph.call_function(operator.getitem, (call, 1))
         copied = graph.call_function(torch.ops.aten.copy.default, (avg, new_avg))
@@ -295,7 +299,7 @@ def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place()
         graph.output((update, late))
         done = call_helpers(graph, in_place=True)
         targets = [n.target for n in graph.nodes if n.op == "call_function"]
-        if read_after:
+        if read_after or view_beside:
             assert not done and ch.call_directly in targets and torch.ops.aten.copy_.default in targets
         else:
             assert done == [call.name] and ch.call_in_place in targets and torch.ops.aten.copy_.default not in targets
