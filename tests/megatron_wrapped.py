@@ -11,7 +11,7 @@ an lr change at step 5 and a checkpoint round trip there (each side loads the ot
 
 Megatron's optimizer modules write ``device='cuda'`` into a few factories (``FP32Optimizer``'s loss
 scale, the grad-norm accumulators of ``clip_grads`` and ``utils``): on this CPU-only machine those
-modules get a ``torch`` whose factories make such tensors on the CPU (``CpuTorch``). Nothing else is
+modules get a ``torch`` whose factories make such tensors on the CPU (the example's shims). Nothing else is
 replaced, and hocompile never sees it.
 
     python tests/megatron_wrapped.py --optimizer muon [--passes on] [--port N] [--explain] [--no-compile] [--plant]
@@ -23,9 +23,10 @@ import argparse
 import copy
 import json
 import os
-import types
+import sys
 import typing
 import warnings
+from pathlib import Path
 
 import typing_extensions
 
@@ -37,36 +38,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-class CpuTorch(types.ModuleType):
-    """``torch`` for Megatron's optimizer modules on a machine without CUDA: its factories make the
-    tensors Megatron writes ``device='cuda'`` for (a loss scale, grad-norm accumulators) on the CPU;
-    everything else is torch's own."""
-
-    _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full"})
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-
-    def __getattr__(self, name: str) -> typing.Any:
-        found = getattr(torch, name)
-        if name not in self._FACTORIES:
-            return found
-
-        def factory(*args: typing.Any, **kwargs: typing.Any) -> torch.Tensor:
-            if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "cpu"
-            return found(*args, **kwargs)
-
-        return factory
-
-
 def megatron_on_cpu() -> None:
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
-    import megatron.core.utils as utils  # local_multi_tensor_l2_norm, without apex
+    """The example's shims (examples/megatron_muon.py): Megatron's ``device='cuda'`` factories and its
+    other CUDA-only corners pointed at the CPU; one copy for the example and these tests."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from megatron_muon import megatron_on_cpu as shims
 
-    for module in (clip_grads, optimizer, utils):
-        module.torch = CpuTorch()  # type: ignore[attr-defined]
+    shims()
 
 
 def build(name: str) -> tuple[torch.nn.Module, typing.Any]:
@@ -179,8 +157,6 @@ def main() -> None:
             a.grad, b.grad = g.clone(), g.clone()
         results.append((eager.step(), compiled.step()))
         if os.environ.get("MW_TRACE"):
-            import sys
-
             bad = [n for n, (a, b) in zip(names, pairs) if not torch.equal(a, b)]
             print(step, bad[:4], file=sys.stderr)
     caught.__exit__(None, None, None)
@@ -197,8 +173,6 @@ def main() -> None:
         "explain_head": hocompile.explain(compiled).splitlines()[0] if inside else "",
     }
     if args.explain and inside:
-        import sys
-
         print(hocompile.explain(compiled), file=sys.stderr)
     print(json.dumps(report))
     dist.destroy_process_group()
