@@ -14,6 +14,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A self-check mismatch fails the test that caused it: a test must not pass by comparing eager
+    # with the eager fallback (tests that plant a wrong step expect the warning with pytest.warns).
+    # Added here, after TRITON_INTERPRET: resolving the category imports hocompile (and triton).
+    config.addinivalue_line("filterwarnings", "error::hocompile.runtime.self_check.SelfCheckWarning")
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_stance_left_as_found() -> Iterator[None]:
+    """A test that leaves Dynamo's stance changed (``force_eager``) makes every later
+    ``torch.compile`` in its worker silently eager: fail the test that did it, and restore."""
+    stance = torch._dynamo.eval_frame._stance.stance
+    yield
+    left = torch._dynamo.eval_frame._stance.stance
+    if left != stance:
+        torch.compiler.set_stance(stance)
+        pytest.fail(f"the test left torch.compiler's stance at {left!r} (was {stance!r})")
+
+
 @pytest.fixture(scope="session")
 def new_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Makes fresh cache directories that hold only this CPU's calibration (targets.cpu_target).

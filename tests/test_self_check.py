@@ -258,3 +258,37 @@ def test_a_program_that_is_not_elementwise_is_checked_whole(cache_dir: Any) -> N
     _run(torch.optim.Muon(_params([(2304, 1824)]), lr=0.02), compiled, 2)
     assert all(e.self_check.sliced == 0 for e in compiled.history)
     assert all(not elementwise(e.captured.gm) for e in compiled.history if e.captured is not None)
+
+
+def test_a_check_that_fails_before_its_probes_run_leaves_torch_compile_alone(cache_dir: Any, monkeypatch: Any) -> None:
+    """The probes run eager under Dynamo's ``force_eager`` stance. ``torch.compiler.set_stance`` sets
+    the stance when built, not when entered: a probe built but never run (an error while copying the
+    params) once left every later ``torch.compile`` in the process silently eager (CI, a later test
+    file's backend never called). The stance is set only while a probe runs."""
+    from hocompile.runtime import check_view
+    from hocompile.runtime.judgement_modes import Rounding
+
+    run, failed = check_view.View.run, []
+
+    def copies_fail_under_probes(self: Any, opt: Any, body: Any, modes: Any = None) -> Any:
+        if modes and any(isinstance(m, Rounding) for m in modes):
+            failed.append(1)
+            raise RuntimeError("planted: copying the params failed")
+        return run(self, opt, body, modes)
+
+    monkeypatch.setattr(check_view.View, "run", copies_fail_under_probes)
+    compiled = _planted(torch.optim.Muon(_params(SHAPES), lr=0.02), DropLastIteration(), cache_dir)
+    with warnings.catch_warnings():  # the planted plan differs from eager: its probes run, and fail
+        warnings.simplefilter("ignore")
+        _run(torch.optim.Muon(_params(SHAPES), lr=0.02), compiled, 2)
+    assert failed, "no probe ran, so this test tests nothing"
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    calls: list[int] = []
+
+    def backend(gm: Any, inputs: Any) -> Any:
+        calls.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    assert float(torch.compile(lambda t: (t * 2).sum(), backend=backend)(torch.ones(3))) == 6.0
+    assert calls == [1]

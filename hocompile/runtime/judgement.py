@@ -51,7 +51,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..capture import unwrapped_step
-from .judgement_modes import Boundaries, Rounding
+from .judgement_modes import Boundaries, Rounding, force_eager
 from .verify import put_back
 
 SPREAD_FACTOR = 4.0  # the candidate may sit this far beyond the farthest probe
@@ -234,7 +234,7 @@ def _copied(value: Any) -> Any:
 
 
 def _eager(opt: torch.optim.Optimizer, snap: _Snapshot, modes: list[Any]) -> dict[str, torch.Tensor]:
-    with snap.installed(opt), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+    with snap.installed(opt), torch.no_grad(), force_eager():
         for mode in modes:
             mode.__enter__()
         try:

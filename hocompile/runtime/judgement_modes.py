@@ -37,6 +37,18 @@ _SUMMING = {
 }
 
 
+@contextmanager
+def force_eager() -> Iterator[None]:
+    """Dynamo's ``force_eager`` stance while the block runs, and only then.
+
+    ``torch.compiler.set_stance(...)`` sets the stance when it is *constructed*, not when entered:
+    one built into a list of modes that is never entered (an error while copying the params)
+    left every later ``torch.compile`` in the process running eagerly, silently.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
 # ------------------------------------------------------------------ probes
 
 

@@ -65,7 +65,7 @@ from ..graph import InputSlot
 from .check_compare import compare as _compare
 from .check_slices import first_check_slices
 from .check_view import UnfaithfulView, View, ViewResult, same_bits
-from .judgement_modes import Boundaries, Rounding, reference_run
+from .judgement_modes import Boundaries, Rounding, force_eager, reference_run
 from .reference_classes import stamped_planned
 from .reference_step import plan_dependent_slots
 
@@ -242,7 +242,7 @@ def _check_on(
                 # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
                 around = view if entry.stamped is None else view.only(differ, opt)
                 probes = [
-                    around.run(opt, step, [*boundaries(), Rounding(1 + k), torch.compiler.set_stance("force_eager")])
+                    around.run(opt, step, [*boundaries(), Rounding(1 + k), force_eager()])
                     for k in range(PROBES)
                 ]
     except Exception as exc:  # noqa: BLE001 - eager's own error: the real eager step raises it again
