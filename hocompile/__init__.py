@@ -14,19 +14,25 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.distributed.tensor import DTensor
 
-from .diskcache import CacheWarning
-from .distributed.check import DistributedMismatchError
-from .dynamo import BackendFallbackWarning, explain_last, inductor_passes
+from .dynamo import explain_last, inductor_passes
 from .dynamo import register as _register_backend
-from .executed_files import CompiledHelperWarning
-from .host_scalars import CaptureError
-from .runtime import CompiledOptimizer, UnsupportedParameterError
-from .runtime.compiled_optimizer import LinAlgFallbackWarning, RecompileLimitWarning
+from .errors import (
+    BackendFallbackWarning,
+    BlockwiseWarning,
+    CacheWarning,
+    CaptureError,
+    CompiledHelperWarning,
+    DistributedMismatchError,
+    LinAlgFallbackWarning,
+    RecompileLimitWarning,
+    SelfCheckWarning,
+    UnsupportedParameterError,
+    VerificationError,
+)
+from .runtime import CompiledOptimizer
 from .runtime.explain import explain
 from .runtime.judgement import Verdict, judge_step
 from .runtime.plan import plan
-from .runtime.self_check import SelfCheckWarning
-from .runtime.verify import VerificationError
 from .runtime.wrappers import compile_wrapped, wrapped_slots
 from .settings import Backend, Distributed, Fallback, Precision, Settings
 from .targets import Target
@@ -240,6 +246,7 @@ _register_backend()  # torch.compile(fn, backend="hocompile")
 __all__ = [
     "Backend",
     "BackendFallbackWarning",
+    "BlockwiseWarning",
     "CacheWarning",
     "CaptureError",
     "CompiledHelperWarning",

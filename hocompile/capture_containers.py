@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from .containers import Spec, flatten, holds_tensors, is_mutable_container, rebuild, replace_leaves, unflatten
+from .errors import CaptureError
 from .graph import InputSlot
 from .host_state import MISSING, is_constant
-from .scalars import CaptureError, HyperParam
+from .scalars import HyperParam
 
 # Attributes every torch Optimizer has (hooks, profiling names): never the step's data.
 _OPTIMIZER_INTERNALS = frozenset({"state", "param_groups", "defaults"})

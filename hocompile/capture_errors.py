@@ -7,7 +7,8 @@ import traceback
 
 import torch
 
-from .host_scalars import CaptureError, user_line
+from .errors import CaptureError
+from .host_scalars import user_line
 from .host_state import HostSlot
 
 

@@ -17,8 +17,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .errors import CaptureError
 from .graph import ORIGIN, ROLE, InputSlot
-from .scalars import CaptureError, Expr, ScalarTracker
+from .scalars import Expr, ScalarTracker
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .scalars import CaptureError
+from .errors import CaptureError
 
 # name -> what it does on one rank (the tensors are the caller's)
 _ONE_RANK: dict[str, Callable[..., Any]] = {

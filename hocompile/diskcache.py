@@ -1,6 +1,6 @@
 """On-disk cache: generated step modules, and small JSON files (calibrations, autotune winners).
 
-A leaf module (it imports nothing from hocompile) so that both the lowerings,
+A leaf module (it imports nothing from hocompile but errors.py) so that both the lowerings,
 which write and load generated modules, and the runtime, which owns the
 cache directory, can use it without the lowering importing the runtime.
 
@@ -29,14 +29,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+from .errors import CacheWarning  # noqa: F401  (defined there, re-exported here)
+
 _HEADER = "# hocompile cache entry sha256="
 _T = TypeVar("_T")
 # Problems already warned about, by (path, what is wrong with it).
 _warned: set[tuple[str, str]] = set()
-
-
-class CacheWarning(UserWarning):
-    """A cache entry was unreadable or corrupt and has been rebuilt."""
 
 
 def default_cache_dir() -> Path:

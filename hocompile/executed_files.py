@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .errors import CompiledHelperWarning  # noqa: F401  (defined there, re-exported here)
+
 
 def dynamo_wrapper_codes() -> frozenset[types.CodeType]:
     """The code of Dynamo's wrapper around a torch.compile'd function (defined in
@@ -77,10 +79,6 @@ def _backend_name(context: Any) -> str | None:
             return name
         x = getattr(x, "_torchdynamo_orig_backend", None) or getattr(x, "compiler_fn", None)
     return None
-
-
-class CompiledHelperWarning(UserWarning):
-    """The step calls a torch.compile'd function: the compiled step is not eager's arithmetic there."""
 
 
 def compiled_helpers_note(optimizer: str, names: list[str]) -> str:

@@ -38,8 +38,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .errors import CaptureError
 from .graph import ROLE, InputSlot
-from .scalars import CaptureError, Expr
+from .scalars import Expr
 
 
 @dataclass

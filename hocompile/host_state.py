@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .scalars import CaptureError, Expr, HyperParam
+from .errors import CaptureError
+from .scalars import Expr, HyperParam
 
 MISSING: Any = object()  # a slot the optimizer does not have (yet)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .scalars import CaptureError
+from .errors import CaptureError
 
 MATMUL_PRECISION = "hocompile.matmul_precision"  # node.meta: the setting an aten product ran under in eager
 _PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot"})

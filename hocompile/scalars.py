@@ -34,11 +34,10 @@ from typing import Any, Union
 
 import torch
 
+from .errors import CaptureError  # noqa: F401  (defined there, re-exported here)
+
 Number = Union[int, float]
 
-
-class CaptureError(RuntimeError):
-    """The optimizer step cannot be compiled as it is; the message says why."""
 
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "+": operator.add,

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from .scalars import CaptureError, user_line
+from .errors import CaptureError
+from .scalars import user_line
 
 FLAGS = ("requires_grad", "is_leaf")
 _CLASSES = (torch.nn.Parameter,)  # classes a stand-in may take on (plain Tensor subclasses, no wrappers)

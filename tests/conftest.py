@@ -18,7 +18,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # A self-check mismatch fails the test that caused it: a test must not pass by comparing eager
     # with the eager fallback (tests that plant a wrong step expect the warning with pytest.warns).
     # Added here, after TRITON_INTERPRET: resolving the category imports hocompile (and triton).
-    config.addinivalue_line("filterwarnings", "error::hocompile.runtime.self_check.SelfCheckWarning")
+    config.addinivalue_line("filterwarnings", "error::hocompile.errors.SelfCheckWarning")
 
 
 @pytest.fixture(autouse=True)

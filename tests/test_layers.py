@@ -26,7 +26,7 @@ from hocompile.settings import PRECISIONS, Backend, Fallback, Precision, Setting
 
 PACKAGE = Path(hocompile.__file__).parent
 LAYERS = {
-    "leaf": ("dtypes", "diskcache", "registry", "decisions", "scalars"),
+    "leaf": ("errors", "dtypes", "diskcache", "registry", "decisions", "scalars"),
     "numerics": ("newton_schulz", "precision", "optimizers"),
     "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
                 "ops", "ops_schema", "families", "targets", "distributed", "classes", "graph_codec",
@@ -84,8 +84,19 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_lowering_and_runtime_share_the_leaf_disk_cache() -> None:
-    assert _imports(PACKAGE / "diskcache.py") == set()
+    assert _imports(PACKAGE / "diskcache.py") == {"errors"}  # its CacheWarning, defined with the others
     assert "diskcache" in _imports(PACKAGE / "lowering" / "aten.py")
+
+
+def test_errors_is_a_leaf_holding_every_public_exception_and_warning() -> None:
+    import hocompile.errors as errors
+
+    assert _imports(PACKAGE / "errors.py") == set()
+    exported = {n: getattr(hocompile, n) for n in hocompile.__all__}
+    public = {n for n, c in exported.items() if isinstance(c, type) and issubclass(c, Warning | Exception)}
+    assert len(public) == 11, sorted(public)
+    assert {n for n in public if getattr(hocompile, n).__module__ != "hocompile.errors"} == set()
+    assert set(errors.__all__) == public
 
 
 def test_device_arch_names_a_row_of_every_table() -> None:

@@ -23,14 +23,11 @@ import torch.fx as fx
 # and another rank's thread (threaded process groups in tests) may be tracing right now.
 from torch.distributed import distributed_c10d as c10d
 
+from ..errors import DistributedMismatchError  # noqa: F401  (defined there, re-exported here)
 from .replicated import DIST_PLAN, OwnershipPlan
 
 _MASK = (1 << 62) - 1  # non-negative, so -x never overflows and -1 can mean "no grad"
 _NO_GRAD = -1
-
-
-class DistributedMismatchError(RuntimeError):
-    """Ranks that must agree (distributed="replicated") do not; nothing was written."""
 
 
 def check_replicated(opt: torch.optim.Optimizer, gm: fx.GraphModule, basis: str = "") -> None:

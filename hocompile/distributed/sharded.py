@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..host_scalars import CaptureError
+from ..errors import CaptureError
 
 # Placeholder meta: the ShardLayout of a DTensor input (absent on plain tensors).
 SHARDED = "hocompile.sharded"

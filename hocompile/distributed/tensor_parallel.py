@@ -39,15 +39,12 @@ from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
 from .. import newton_schulz as ns
 from .. import ops as _ops  # noqa: F401  (registers hocompile::newton_schulz)
+from ..errors import BlockwiseWarning  # noqa: F401  (defined there, re-exported here)
 
 log = logging.getLogger(__name__)
 
 MODES = ("duplicated", "distributed", "blockwise")
 Group = dist.ProcessGroup | str  # a process group or its name (FX graphs carry names)
-
-
-class BlockwiseWarning(UserWarning):
-    """Blockwise NS orthogonalises each shard on its own: not the matrix's update."""
 
 
 @dataclass(frozen=True)

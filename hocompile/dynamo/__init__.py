@@ -4,7 +4,8 @@ graphs torch.compile makes; ``hocompile.explain_last()`` shows what they did."""
 
 from __future__ import annotations
 
-from .backend import BackendFallbackWarning, hocompile_backend
+from ..errors import BackendFallbackWarning
+from .backend import hocompile_backend
 from .inductor import InductorPasses, inductor_passes
 from .last import explain_last, last_records
 

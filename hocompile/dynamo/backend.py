@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..errors import BackendFallbackWarning
 from ..settings import Settings
-from .graphs import BackendFallbackWarning, GraphRecord, NotHocompileIR, lower, prepare, run_passes
+from .graphs import GraphRecord, NotHocompileIR, lower, prepare, run_passes
 from .last import remember
 
 log = logging.getLogger(__name__)

@@ -24,16 +24,13 @@ import torch
 import torch.fx as fx
 
 from ..diskcache import DiskCache
+from ..errors import BackendFallbackWarning  # noqa: F401  (defined there, re-exported here)
 from ..graph import ORIGIN, ROLE, InputSlot, decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..passes import PassRecord, run_pipeline
 from ..settings import Settings
 
 aten = torch.ops.aten
-
-
-class BackendFallbackWarning(UserWarning):
-    """A graph torch.compile handed to hocompile runs without hocompile's passes (the reason says why)."""
 
 
 class NotHocompileIR(Exception):

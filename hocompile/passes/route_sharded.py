@@ -49,8 +49,8 @@ from ..decisions import record
 from ..distributed.plan import Item, assign_owners, ns_cost
 from ..distributed.sharded import SHARDED, SHARDED_OUTPUTS, chunk_rows, step_layout
 from ..distributed.tp_plan import PLAN_MODES, TPChoice
+from ..errors import CaptureError
 from ..graph import ROLE, stable_topological_sort
-from ..host_scalars import CaptureError
 from ..registry import family_of
 from ..targets import Target
 from .base import Pass, PassResult

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from ..distributed.sharded import chunk_rows
 from ..distributed.tp_plan import TPChoice, choose_tp_mode, ns_flops_as_given, rewrite_ns_node
-from ..host_scalars import CaptureError
+from ..errors import CaptureError
 from ..ops_schema import NewtonSchulzSpec
 from ..registry import family_of
 from ..targets import Target

@@ -30,8 +30,8 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from ..capture import CapturedStep, unwrapped_step
 from ..capture_containers import aliases_hold
 from ..capture_slots import tensor_lookup
+from ..errors import CaptureError, UnsupportedParameterError
 from ..fused_kernels import runs_as_is
-from ..host_scalars import CaptureError
 from ..host_state import HostSlot
 from ..passes import Pass
 from ..settings import Fallback, Settings
@@ -50,7 +50,7 @@ from .entries import (
 from .fast_guard import FastGuard
 from .guards import Signature, describe_change, signature
 from .stamped import broken_guard
-from .validate import UnsupportedParameterError, validate
+from .validate import validate
 
 __all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "LinAlgFallbackWarning", "RecompileLimitWarning"]
 

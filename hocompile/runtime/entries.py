@@ -14,6 +14,7 @@ import torch
 from ..capture import CapturedStep, host_env, slot_tensor, step_tensors
 from ..capture_containers import write_containers
 from ..distributed.sharded import like_param, local_tensor
+from ..errors import LinAlgFallbackWarning, RecompileLimitWarning  # noqa: F401  (defined there, re-exported here)
 from ..graph import InputSlot
 from ..host_state import MISSING
 from ..lowering import LoweredStep
@@ -41,14 +42,6 @@ def _check_optimizer_like(obj: Any) -> None:
             f"compile_optimizer expects a torch.optim.Optimizer or an object like one; "
             f"{type(obj).__name__} lacks {', '.join(missing)}"
         )
-
-
-class RecompileLimitWarning(UserWarning):
-    """An optimizer recompiled ``recompile_limit`` times; new configurations run eagerly."""
-
-
-class LinAlgFallbackWarning(UserWarning):
-    """An eigh/SVD in a compiled step did not converge; that step ran eagerly (with its retries)."""
 
 
 _COUNTER_KEYS = ("compiles", "cache_hits", "disk_hits", "eager_fallbacks", "recompiles", "variants", "warm_starts")

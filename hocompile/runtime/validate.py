@@ -10,11 +10,10 @@ import inspect
 
 import torch
 
-from ..host_scalars import CaptureError
-
-
-class UnsupportedParameterError(ValueError):
-    """A parameter (or its gradient) cannot be stepped by the compiled optimizer."""
+from ..errors import (
+    CaptureError,
+    UnsupportedParameterError,  # noqa: F401  (defined there, re-exported here)
+)
 
 
 def _needs_matrices(opt: torch.optim.Optimizer) -> tuple[bool, bool]:

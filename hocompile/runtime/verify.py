@@ -75,6 +75,7 @@ import torch
 
 from ..capture import CapturedStep, capture, unwrapped_step
 from ..containers import describe_spec, flatten, holds_tensors
+from ..errors import VerificationError  # noqa: F401  (defined there, re-exported here)
 from ..graph import InputSlot
 from ..host_state import HostSlot
 from ..settings import Fallback
@@ -93,10 +94,6 @@ NS_FACTOR = 2.0  # R
 UPDATE_FLOOR = 1e-5  # F
 POINTWISE_UNITS = {"aten": 0.0}  # bitwise; any other lowering: OTHER_POINTWISE_UNITS u
 OTHER_POINTWISE_UNITS = 8.0
-
-
-class VerificationError(RuntimeError):
-    """A compiled step differed from eager beyond the error model of this module (runtime/verify.py)."""
 
 
 @dataclass

@@ -38,7 +38,8 @@ import torch
 from .. import graph_codec
 from ..capture import CapturedStep
 from ..compiled_helpers import holds_compiled_calls
-from ..diskcache import CacheWarning, atomic_write_bytes, warn_once, warn_unwritable
+from ..diskcache import atomic_write_bytes, warn_once, warn_unwritable
+from ..errors import CacheWarning
 from ..graph_codec import CodecError
 from ..host_state import HostSlot
 from ..lowering.class_programs import Program
