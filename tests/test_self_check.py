@@ -18,7 +18,7 @@ import torch
 
 import hocompile
 from hocompile import SelfCheckWarning
-from hocompile.runtime import CompiledOptimizer
+from hocompile.runtime import CompiledOptimizer, self_check
 from hocompile.runtime.self_check import BUDGET, CHECK_EVERY, FREE_SECONDS, SelfCheck, check_now, due
 from hocompile.settings import Settings
 
@@ -225,6 +225,7 @@ def test_a_huge_elementwise_member_is_first_checked_on_its_leading_rows(cache_di
     eager = torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False)
     compiled = hocompile.compile_optimizer(torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False),
                                            cache_dir=cache_dir)
+    monkeypatch.setattr(self_check, "FREE_SECONDS", 1e9)  # every check due runs (the budget: next test)
     assert _run(eager, compiled, 4) == [0.0] * 4
     _state_bitwise(eager, compiled)
     first, steady = compiled.history[0].self_check, compiled.history[-1].self_check
@@ -234,6 +235,23 @@ def test_a_huge_elementwise_member_is_first_checked_on_its_leading_rows(cache_di
     (rows,) = views[0].values()
     assert rows.stop * 1824 <= 1 << 17
     assert "1 of them on leading rows" in first.describe()
+
+
+def test_a_whole_check_after_a_sliced_one_waits_for_the_steps_to_pay_for_it(cache_dir: Any, monkeypatch: Any) -> None:
+    """The steady program's first check ran on rows; its second, on the whole 4.2M-element member, is
+    budgeted as a whole check (the sliced one's time times the elements it left out), not as another
+    sliced one: it waits for credit. (At Qwen3's 155M-element embedding that check took 14 s, run at
+    the program's second step.) The free allowance is lowered to 0.1 s, which the sliced check's
+    time fits twice but a whole check's estimate does not (a whole check here: ~0.1 s)."""
+    monkeypatch.setattr(self_check, "FREE_SECONDS", 0.1)
+    eager = torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False)
+    compiled = hocompile.compile_optimizer(torch.optim.AdamW(_params(BIG), lr=1e-2, foreach=False),
+                                           cache_dir=cache_dir)
+    assert _run(eager, compiled, 4) == [0.0] * 4
+    steady = compiled.history[-1].self_check
+    assert steady.checks == 1 and steady.sliced == 1, steady
+    assert steady.whole_over_checked > 30, steady
+    assert steady.pending and steady.postponed == 1, steady
 
 
 def test_a_wrong_elementwise_op_seen_on_a_slice_is_settled_whole(cache_dir: Any, monkeypatch: Any) -> None:

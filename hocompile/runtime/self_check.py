@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..capture import unwrapped_step
+from ..errors import SelfCheckWarning  # noqa: F401  (defined there, re-exported here)
 from ..graph import InputSlot
 from .check_compare import compare as _compare
 from .check_slices import first_check_slices
@@ -84,10 +85,6 @@ PROBES = 1  # eager re-runs under another summation order, where a planned tenso
 POINTWISE_ULPS = 8.0  # non-aten lowerings, where the plan keeps eager's arithmetic
 
 
-class SelfCheckWarning(UserWarning):
-    """A compiled program differed from eager on a self-checked step; it runs eagerly from then on."""
-
-
 def due(run: int) -> bool:
     """Whether a program's ``run``-th step (1-based) is checked: 1, 2, 4, …, 512, then every 1,000th."""
     return (run < CHECK_EVERY and run & (run - 1) == 0) or run % CHECK_EVERY == 0
@@ -100,7 +97,8 @@ def check_now(record: SelfCheck) -> bool:
     rather than not at all: it waits for the credit. A program's first check always runs."""
     if not (record.pending or due(record.runs)):
         return False
-    expected = record.each[-1] if record.each else 0.0
+    # A check like the last one, on whole members: a first check on slices costs a fraction of a whole one
+    expected = record.each[-1] * record.whole_over_checked if record.each else 0.0
     if record.checks == 0 or record.seconds + expected <= BUDGET * record.step_seconds + FREE_SECONDS:
         record.pending = False
         return True
@@ -123,6 +121,7 @@ class SelfCheck:
     postponed: int = 0  # checks that came due beyond the budget and ran later
     members: int = 0  # members the last check ran (of ``of``)
     sliced: int = 0  # ... of which on their leading rows only (a first check: check_slices.py)
+    whole_over_checked: float = 1.0  # the last check's members' elements / the elements it ran on
     of: int = 0
     worst: str = ""  # the last check's tensor closest to its bound
     skipped: str = ""  # why this program is not checked
@@ -193,10 +192,23 @@ def check(
     record.checks += 1
     record.members, record.of = sum(map(len, keep)), sum(len(g["params"]) for g in opt.param_groups)
     record.sliced = len(rows)
+    record.whole_over_checked = _whole_over_checked(opt, keep, rows)
     record.worst = worst
     record.each.append(time.perf_counter() - started)
     record.seconds += record.each[-1]
     return "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
+def _whole_over_checked(opt: torch.optim.Optimizer, keep: list[list[int]], rows: dict[tuple[int, int], slice]) -> float:
+    """How many times more elements the kept members hold than a check with ``rows`` ran on."""
+    whole = checked = 0
+    for g, members in enumerate(keep):
+        for i in members:
+            p = opt.param_groups[g]["params"][i]
+            part = rows.get((g, i))
+            whole += p.numel()
+            checked += p.numel() if part is None else (part.stop - part.start) * (p.numel() // max(1, p.shape[0]))
+    return whole / checked if checked else 1.0
 
 
 def _check_on(
