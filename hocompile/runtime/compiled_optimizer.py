@@ -377,7 +377,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             # A bug of ours, not the user's: say so, loudly, and stay correct.
             message = f"internal error while compiling: {type(exc).__name__}: {exc}"
             log.warning("hocompile: running %s eagerly after an %s", type(self._inner).__name__, message)
-            entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, message)
+            entry = CompiledEntry.eager(reason, message)
             return self._remember(sig, entry, expected)
 
     def _eager_entry(self, sig: Signature, reason: str, expected: bool, exc: CaptureError) -> CompiledEntry:
@@ -385,7 +385,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         if self._settings.fallback != Fallback.EAGER:
             raise exc
         log.warning("hocompile: running %s eagerly: %s", type(self._inner).__name__, exc)
-        entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, str(exc))
+        entry = CompiledEntry.eager(reason, str(exc))
         coarse = signature(self._inner, self._settings.structural_keys, self._lifted, coarse=True)
         self._eager_by_coarse.setdefault(coarse, entry)
         return self._remember(sig, entry, expected)
@@ -401,7 +401,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             warnings.warn(f"hocompile: {type(self._inner).__name__}: {message}", RecompileLimitWarning, stacklevel=4)
             self._warned_limit = True
         log.warning("hocompile: %s", message)
-        entry = CompiledEntry(None, None, [], "", 0.0, 0.0, 0.0, reason, message)
+        entry = CompiledEntry.eager(reason, message)
         self._entries.setdefault(sig, []).append(entry)
         self.history.append(entry)
         return entry

@@ -114,6 +114,11 @@ class CompiledEntry:
     # Loaded from this warm-start record (warm.py): its first step is checked against eager.
     warm: str = ""
 
+    @classmethod
+    def eager(cls, reason: str, why: str) -> CompiledEntry:
+        """An entry for a signature that runs eagerly: compiled for ``reason``, not compiled because ``why``."""
+        return cls(None, None, [], "", 0.0, 0.0, 0.0, reason, why)
+
 
 def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> bool:
     """Run ``entry`` on ``opt``'s params and state and write every result back; True if it created state."""
