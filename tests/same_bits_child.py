@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Small (a thread twin is timed), tiny (8 rows: below the calibrated shapes), and matrices where
-# the old timing chose symmetric products and fp32 by the clock.
-SHAPES = [(64, 256), (8, 256), (256, 64), (256, 1024), (512, 1024), (64, 256), (384, 384)]
+# the old timing chose symmetric products and fp32 by the clock. (A 512x1024 one was dropped: its
+# bf16 NS, emulated on CPUs without bf16 units, made the loaded process 70 s of make test there.)
+SHAPES = [(64, 256), (8, 256), (256, 64), (256, 1024), (64, 256), (384, 384)]
 STEPS = 3
 THREADS = 2
 
