@@ -31,8 +31,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check hocompile tests examples benchmarks
 	$(BIN)/mypy hocompile --ignore-missing-imports
 
-# Two workers, one test file each at a time (module fixtures stay per file): 13.5 min on the 2-core
-# machine without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2), 11-13 min with them.
+# Two workers, one test file each at a time (module fixtures stay per file): ~15 min on the 2-core
+# machine without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2), 14.8 min with them (README: the figures).
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
