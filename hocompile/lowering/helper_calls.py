@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..compiled_calls import call_directly, call_in_place, written_arguments
 from ..graph import is_fallible
-from .reinplace import _views_of
+from .reinplace import views_of
 from .writeback import readers
 
 aten = torch.ops.aten
@@ -80,7 +80,8 @@ def _in_place_plan(
         ):
             return None
         allowed = {call, back, value}
-        if any(t in _views_of(dest) for t in tensors if isinstance(t, fx.Node)):
+        views = views_of(dest)
+        if any(t in views for t in tensors if isinstance(t, fx.Node)):
             return None  # a view of dest passed beside it
         if any(order[r] > order[call] for r in readers(dest) if r not in allowed):
             return None  # its old value is read after the call

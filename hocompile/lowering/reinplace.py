@@ -153,7 +153,8 @@ def _updates_self(node: fx.Node) -> bool:
     return _pointwise(node) or node.target._schema.name in _ACCUMULATE_INTO_SELF
 
 
-def _views_of(dest: fx.Node) -> set[fx.Node]:
+def views_of(dest: fx.Node) -> set[fx.Node]:
+    """Every view of ``dest`` in the graph, views of views included (helper_calls.py uses it too)."""
     out: set[fx.Node] = set()
     stack = list(dest.users)
     while stack:
@@ -202,7 +203,7 @@ def reinplace(graph: fx.Graph) -> list[Reinplaced]:
             continue
         chain = _chain(value, dest)
         old_readers = set(readers(dest)) - {copy}
-        views = _views_of(dest)
+        views = views_of(dest)
         for start, first in enumerate(chain):
             if fence is not None and order[first] <= order[fence]:
                 continue
