@@ -21,14 +21,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "error::hocompile.errors.SelfCheckWarning")
 
 
+def _stance() -> str | None:
+    """Dynamo's current stance (a private attribute of torch 2.13's; None where a torch lacks it)."""
+    held = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return getattr(held, "stance", None)
+
+
 @pytest.fixture(autouse=True)
 def _dynamo_stance_left_as_found() -> Iterator[None]:
     """A test that leaves Dynamo's stance changed (``force_eager``) makes every later
     ``torch.compile`` in its worker silently eager: fail the test that did it, and restore."""
-    stance = torch._dynamo.eval_frame._stance.stance
+    stance = _stance()
     yield
-    left = torch._dynamo.eval_frame._stance.stance
-    if left != stance:
+    left = _stance()
+    if left != stance and stance is not None:
         torch.compiler.set_stance(stance)
         pytest.fail(f"the test left torch.compiler's stance at {left!r} (was {stance!r})")
 
