@@ -11,6 +11,10 @@ Xeon, 2 threads, loaded: 1 of 54 and 5 of ~120 runs with the self-check on, 0 of
 0 of 100 in one process; never with OMP_NUM_THREADS=1. ``--calibrated`` hands each run a cache
 directory that already holds this CPU's calibration, so the process times no bf16/fp32 GEMMs before
 its step: 0 of 100 (the lead, at p ~ 0.03, that the calibration's GEMMs are part of it).
+Never seen on a 2-core AMD EPYC (avx512_bf16, no AMX; microcode 0x1000065), same torch and
+command, loaded: 0 of 230 runs uncalibrated with the self-check on (p ~ 3e-4 at the Xeon's rate),
+so the ghost belongs to the AMX Xeon (its AMX tile state, or its OpenMP/oneDNN path there): the
+next step is on that CPU, e.g. the same command with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``.
 """
 
 from __future__ import annotations

@@ -222,3 +222,24 @@ def test_a_recorder_around_a_compiled_step_hears_only_the_candidates_decompositi
             opt.step()
         heard.append(len(recorder.recorded))
     assert heard == [calls] * 3
+
+
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_substituted_decompositions_keep_eagers_own_layout(batch: tuple[int, ...]) -> None:
+    """Handed to eager, a recorded eigh output has the strides eager's own output has (LAPACK's
+    eigenvectors are column-major). A row-major copy of the same values sent the next matmul down
+    another BLAS path: on an AMD EPYC, eager "differed from itself" by 1e-6 and the self-check failed
+    hocompile's Shampoo with every pass off."""
+    from hocompile.runtime.judgement_modes import Boundaries
+
+    g = torch.randn(*batch, 12, 12, generator=torch.Generator().manual_seed(0))
+    a = g @ g.mT + torch.eye(12)
+    own = torch.linalg.eigh(a)
+    recorder = Boundaries()
+    with recorder:
+        torch.linalg.eigh(a)
+    with Boundaries(recorder.recorded, substitute=True) as substitute:
+        handed = torch.linalg.eigh(a)
+    assert substitute.matched == (batch[0] if batch else 1)
+    for mine, theirs in zip(own, handed):
+        assert torch.equal(mine, theirs) and mine.stride() == theirs.stride(), (mine.stride(), theirs.stride())

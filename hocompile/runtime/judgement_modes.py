@@ -171,8 +171,13 @@ class Boundaries(TorchFunctionMode):
             self.unmatched.append(f"{kind} of {tuple(x.shape)}")
             return out
         self.matched += len(chosen)
+        # Into tensors laid out as eager's own outputs: LAPACK's eigenvectors are column-major, and a
+        # row-major copy of the same values sent the next matmul down another BLAS path that rounds
+        # differently (a 1e-6 "difference" of eager from itself, on an AMD EPYC).
         new = [
-            torch.stack([call.outputs[j][k] for call, k in chosen]).to(leaf.dtype).reshape(leaf.shape)  # type: ignore[misc]
+            torch.empty_like(leaf).copy_(
+                torch.stack([call.outputs[j][k] for call, k in chosen]).reshape(leaf.shape)  # type: ignore[misc]
+            )
             for j, leaf in enumerate(leaves)
         ]
         return pytree.tree_unflatten(new, spec)
