@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,6 +28,24 @@ log = logging.getLogger("hocompile.capture")
 
 _MAX_OBJECTS = 20_000  # a bound on the walk: optimizers that reference a whole model stay cheap
 _MAX_DEPTH = 6
+
+
+@contextmanager
+def random_state_kept() -> Iterator[None]:
+    """The CPU (and initialised CUDA) random states as they were before the block.
+
+    A user's step that draws noise (``torch.randn_like``) must draw what eager would: whatever
+    hocompile runs besides the step (compiling, with its calibration GEMMs and stack timings on
+    random inputs; the self-check's copies) must not move the stream.
+    """
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _is_container(value: Any) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..containers import flatten, holds_tensors
+from ..snapshot import random_state_kept
 from ..stand_ins import real_id
 from .check_slices import sliced
 from .verify import copy_param, put_back, require_untouched, tensor_versions
@@ -94,7 +95,7 @@ class View:
                     if isinstance(value, torch.Tensor):
                         before[f"g{g}.p{i}.{key}"] = value if part is None else sliced(value, p, part)
         try:
-            with _random_state_kept(), torch.no_grad(), ExitStack() as stack:
+            with random_state_kept(), torch.no_grad(), ExitStack() as stack:
                 for group, group_copies in zip(groups, copies):
                     for key, value in list(group.items()):
                         if key != "params":
@@ -225,18 +226,6 @@ def _ids_of_the_real(copies: list[list[torch.Tensor]], reals: list[list[torch.Te
         yield
     finally:
         builtins.id = saved
-
-
-@contextmanager
-def _random_state_kept() -> Iterator[None]:
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -40,6 +40,7 @@ from ..passes.route_sharded import require_routed, with_route_sharded
 from ..passes.stack_calls import StackCalls
 from ..passes.stack_members import StackMembers
 from ..settings import Backend, Distributed, Settings
+from ..snapshot import random_state_kept
 from ..targets import Target, device_arch, resolve_target
 from . import warm
 from .stamped import StampedRun, broken_guard, build_run
@@ -171,6 +172,19 @@ def compile_step(
     ``warm_start``: load the step from the cache directory's warm-start
     records where one fits (warm.py), and keep a record of what is compiled.
     """
+    with random_state_kept():  # compiling times GEMMs on random inputs: the step's draws stay eager's
+        return _compile_step(opt, settings, pipeline, lower, dump_dir, lifted, warm_start)
+
+
+def _compile_step(
+    opt: torch.optim.Optimizer,
+    settings: Settings,
+    pipeline: tuple[Pass, ...] | None,
+    lower: bool,
+    dump_dir: Path | None,
+    lifted: frozenset[HostSlot],
+    warm_start: bool,
+) -> CompiledStep:
     device = params_device(opt)
     backend = resolve_backend(settings, device)
     target = None
