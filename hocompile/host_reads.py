@@ -167,6 +167,7 @@ def split_at_reads(
             if n.op == "call_function" and n not in stage_of:
                 stage_of[n] = k
     _absorb_getitems(stage_of)
+    _refuse_random_draws(stage_of, reads)
     aliasing = _aliases_an_input(gm.graph)
     last_read = {node: k for k, node in enumerate(reads.nodes)}  # a value read again by a later read
     exports: dict[fx.Node, InputSlot] = {}
@@ -204,6 +205,20 @@ def split_at_reads(
         if n in stage_of:
             gm.graph.erase_node(n)
     return programs, list(slots) + list(exports.values())
+
+
+def _refuse_random_draws(stage_of: dict[fx.Node, int], reads: TraceReads) -> None:
+    """A read's program runs ahead of the rest of the step: random numbers drawn in it come out of
+    the stream in another order than eager's (every read's draws, then the rest's), and a check or an
+    eager fallback of that step would start from the stream the programs moved."""
+    for n, k in stage_of.items():
+        target = n.target
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            raise CaptureError(
+                f"the step draws random numbers ({n.target}) that its host read {k} {reads.wheres[k].strip()} "
+                "depends on: hocompile computes a read ahead of the rest of the step, which would draw them "
+                "in another order than eager does"
+            )
 
 
 def _program(
