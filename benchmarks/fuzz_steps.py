@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/fuzz_steps.py --seeds 500 [--start 0]
 
 Prints one line per seed (verdict, the patterns it drew) and a summary; exit status 1 if any seed
-computed a step that differs from eager without refusing. Each seed's optimizer module is written
-to a temporary folder that is kept when a seed fails, to rerun it by hand.
+computed a step that differs from eager without refusing, or one the self-check had to catch. Each
+seed's optimizer module is written to a temporary folder that is kept, to rerun a seed by hand.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> int:
         print(f"{seed:5d} {outcome.verdict:8s} {','.join(outcome.features)} {outcome.detail}", flush=True)
     seconds = time.perf_counter() - start
     print(f"{dict(counts)} in {seconds:.0f} s; modules in {root}")
-    return 1 if counts["WRONG"] else 0
+    return 1 if counts["WRONG"] or counts["caught"] else 0
 
 
 if __name__ == "__main__":
