@@ -21,9 +21,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .graph import ORIGIN, ROLE
+from .inplace_foreach import EAGER_INPLACE
 
 # The node meta keys a decoded graph keeps (everything else is the tracer's own).
-_KEPT = (ROLE, ORIGIN, "hocompile.decision", "hocompile.eager_dtype")
+_KEPT = (ROLE, ORIGIN, "hocompile.decision", "hocompile.eager_dtype", EAGER_INPLACE)
 
 
 class CodecError(ValueError):

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import fused_kernels
+from . import fused_kernels, inplace_foreach
 from .host_state import MISSING, is_number
 from .scalars import (  # noqa: F401  (user_line: re-exported, capture_errors imports it from here)
     MATH_BINARY,
@@ -179,7 +179,9 @@ class HostScalarMode(TorchFunctionMode):
             self.fused_kernels.add(name)
             return fused_kernels.traced_call(func, args, kwargs)
         updates = self._updates(name, args, kwargs) if self.mirrors else []
+        tail = inplace_foreach.graph_tail() if inplace_foreach.is_inplace_foreach(name) else None
         out = func(*args, **kwargs)
+        inplace_foreach.tag_since(tail, name)  # eager ran the in-place kernel (inplace_foreach.py)
         for tensor, value in updates:
             self.mirrors[id(tensor)] = (tensor, value, name)
         if self.mirrors and name in _FUNCTIONAL_FOLLOW:

@@ -8,10 +8,10 @@ code does between steps (noise, Python-int counters, bf16 params among fp32 ones
   came out of the stream in another order, and the self-check and the eager fallback then started from
   the moved stream. Refused, naming the read and the op.
 - **bf16 ``_foreach_mul_`` is not its functional form** (torch 2.13, CPU): the in-place foreach kernel
-  rounds some scalars otherwise than ``_foreach_mul`` + ``copy_`` (and ``mul``/``mul_``) do, so a
-  captured, functionalised step differs by a bf16 unit. The self-check catches it on the step it
-  shows and runs that program eagerly; compiling it bitwise needs the capture to keep which overload
-  eager called (open, issue 30).
+  rounds the scalar to bf16 first, where ``_foreach_mul`` + ``copy_`` (and ``mul``/``mul_``) compute
+  in fp32, so the functionalised step differed by a bf16 unit (the self-check caught it and ran the
+  program eagerly). The capture now tags the functional node of each in-place foreach call and the
+  lowering runs it with the in-place kernel on copies (hocompile/inplace_foreach.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 import hocompile
 from hocompile import CaptureError
+from hocompile.inplace_foreach import on_copies
 
 from .helpers import EVERY_PASS_OFF
 
@@ -95,17 +96,39 @@ def test_noise_a_host_read_depends_on_is_refused_before_anything_changes(tmp_pat
     assert torch.equal(state, torch.get_rng_state())
 
 
-def test_bf16_inplace_foreach_the_capture_cannot_tell_apart_is_caught_by_the_self_check(tmp_path: Path) -> None:
-    want = _run(Bf16Decay, False, tmp_path, torch.bfloat16)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always", hocompile.SelfCheckWarning)
-        got = _run(Bf16Decay, True, tmp_path / "c", torch.bfloat16)
-    assert any(issubclass(w.category, hocompile.SelfCheckWarning) for w in seen)
+class Bf16FunctionalDecay(Bf16Decay):
+    """The functional spelling: eager's ``_foreach_mul`` computes in fp32, and so must the step."""
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group.setdefault("k", torch.tensor(0.0))
+            group["k"] += 1
+            lr = group["lr"] / (1 - group["beta"] ** group["k"].item())
+            for p, new in zip(group["params"], torch._foreach_mul(group["params"], 1 - lr * group["wd"])):
+                p.copy_(new)
+
+
+@pytest.mark.parametrize("make", [Bf16Decay, Bf16FunctionalDecay], ids=["in-place", "functional"])
+@pytest.mark.parametrize("options", [{}, EVERY_PASS_OFF], ids=["default", "passes-off"])
+def test_bf16_foreach_runs_the_overload_eager_called(make: type, options: dict, tmp_path: Path) -> None:
+    want = _run(make, False, tmp_path, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hocompile.SelfCheckWarning)
+        got = _run(make, True, tmp_path / "c", torch.bfloat16, **options)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-@pytest.mark.xfail(strict=True, reason="bf16 _foreach_mul_ rounds otherwise than its functional form (issue 30)")
-def test_bf16_inplace_foreach_compiles_bitwise(tmp_path: Path) -> None:
-    want = _run(Bf16Decay, False, tmp_path, torch.bfloat16)
-    got = _run(Bf16Decay, True, tmp_path / "c", torch.bfloat16, self_check=False)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+def test_the_in_place_kernel_is_what_the_generated_step_calls(tmp_path: Path) -> None:
+    params = _params(torch.bfloat16)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = hocompile.compile_optimizer(Bf16Decay(params), cache_dir=tmp_path, self_check=False)
+    opt.step()
+    assert "_foreach_mul_on_copies(" in opt.history[-1].lowered.source
+    scalar = 0.9973684210526316  # one whose bf16 rounding changes the product
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).bfloat16()
+    inplace = x.clone()
+    torch._foreach_mul_([inplace], scalar)
+    assert not torch.equal(torch._foreach_mul([x], scalar)[0], inplace)  # the premise: two kernels
+    assert torch.equal(on_copies("_foreach_mul_.Scalar")([x], scalar)[0], inplace)

@@ -2,7 +2,8 @@
 bitwise eager, or refused at its first step with nothing touched. Seed 5 (a value read with
 ``.item()`` through ``max``/``min`` feeding both a decay factor and the update) found two params'
 host scalars sharing one sentinel payload, so one was lifted as the other's; it stays in the set.
-Seeds 7 and 18 draw a bf16 param under ``_foreach_mul_``: caught by the self-check, not yet bitwise.
+Seeds 7 and 18 draw a bf16 param under ``_foreach_mul_``, whose in-place kernel rounds otherwise than
+its functional form (test_fuzz_found.py).
 A longer run: ``.venv/bin/python benchmarks/fuzz_steps.py --seeds 500``.
 """
 
@@ -15,20 +16,7 @@ import pytest
 from .fuzz_steps import FEATURES, check, features_of
 
 SEEDS = range(24)  # ~1.3 s each on the 2-core machine
-# A bf16 param's ``_foreach_mul_`` rounds otherwise than its functional form (test_fuzz_found.py): the
-# self-check catches it and runs the program eagerly, but the compiled step is not bitwise (issue 30).
-BF16_INPLACE_FOREACH = {7, 18}
-
-
-@pytest.mark.parametrize(
-    "seed",
-    [
-        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="bf16 _foreach_mul_ (issue 30)"))
-        if s in BF16_INPLACE_FOREACH
-        else s
-        for s in SEEDS
-    ],
-)
+@pytest.mark.parametrize("seed", SEEDS)
 def test_compiled_is_bitwise_eager_or_refused(seed: int, tmp_path: Path) -> None:
     outcome = check(seed, tmp_path)
     assert outcome.verdict in ("bitwise", "refused"), outcome

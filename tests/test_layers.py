@@ -32,7 +32,7 @@ LAYERS = {
                 "ops", "ops_schema", "families", "targets", "distributed", "classes", "graph_codec",
                 "executed_files", "fused_kernels", "capture_errors", "containers", "capture_containers",
                 "capture_slots", "host_reads", "compiled_helpers", "compiled_calls", "stand_ins",
-                "matmul_precision"),
+                "matmul_precision", "inplace_foreach"),
     "passes": ("passes",),
     "lowering": ("lowering",),
     "runtime": ("runtime", "settings", "dynamo"),

@@ -23,6 +23,7 @@ from torch.fx.graph import PythonCode
 from ..decisions import decisions_of
 from ..diskcache import DiskCache, load_generated
 from ..graph import print_graph
+from ..inplace_foreach import run_eager_inplace
 from ..matmul_precision import honour as honour_matmul_precision
 from ..passes.measure_ns import intra_op_threads
 from .fused_updates import fuse_updates
@@ -105,6 +106,7 @@ def lower_to_aten(
     plain_graph.output(plain_graph.graph_copy(gm.graph, {}))
     honour_matmul_precision(plain_graph)
     call_helpers(plain_graph, in_place=False)
+    run_eager_inplace(plain_graph)
     call_kernels_directly(plain_graph)
     call_tensor_methods(plain_graph)
     keep_collective_inputs_alive(plain_graph)
@@ -116,6 +118,7 @@ def lower_to_aten(
     helpers_in_place = call_helpers(graph, in_place=True)
     done = reinplace(graph)
     reused = reuse_temporaries(graph)
+    run_eager_inplace(graph)
     call_kernels_directly(graph)
     call_tensor_methods(graph)
     keep_collective_inputs_alive(graph)
