@@ -111,7 +111,13 @@ def _run(model: str, compiled: bool, loaded: bool) -> dict[str, float]:
 
 
 def main() -> None:
+    import argparse
+
     from hocompile.targets import _cpu_id, _measure, declared_ratios
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="first_step.md", help="file name under benchmarks/results/")
+    args = parser.parse_args()
 
     model_name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?")
     bf16 = _measure(torch.bfloat16)
@@ -120,7 +126,8 @@ def main() -> None:
         "",
         f"Machine: {model_name}, {os.cpu_count()} cores; bf16 GEMM {bf16:.0f} GFLOP/s (256³); declared "
         f"{declared_ratios()}; torch {torch.__version__}, Python {platform.python_version()}, cpu id {_cpu_id()}.",
-        "Command: `.venv/bin/python benchmarks/first_step.py`. One new process per cell, empty cache directory; "
+        f"Command: `.venv/bin/python benchmarks/first_step.py --out {args.out}`. One new process per cell, "
+        "empty cache directory; "
         "'loaded': one busy loop per core for the whole process.",
         "",
         "| model | load | eager first step | hocompile first step | hocompile second step | eager step "
@@ -137,7 +144,7 @@ def main() -> None:
                    f"| {mine['second_s']:.2f} s | {eager['step_s']:.3f} s | {mine['step_s']:.3f} s | {ratio:.2f}x |")
             print(row, flush=True)
             lines.append(row)
-    out = ROOT / "benchmarks" / "results" / "first_step.md"
+    out = ROOT / "benchmarks" / "results" / args.out
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 
