@@ -172,7 +172,10 @@ def compile_step(
     ``warm_start``: load the step from the cache directory's warm-start
     records where one fits (warm.py), and keep a record of what is compiled.
     """
-    with random_state_kept():  # compiling times GEMMs on random inputs: the step's draws stay eager's
+    # The capture evaluates a host read's program on the real inputs, running the step's own random
+    # ops: the stream is put back, so the step's draws stay eager's. (Timings draw from generators
+    # of their own: targets._measure, stack_members, triton autotune.)
+    with random_state_kept():
         return _compile_step(opt, settings, pipeline, lower, dump_dir, lifted, warm_start)
 
 

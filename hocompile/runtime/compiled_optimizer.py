@@ -35,7 +35,6 @@ from ..fused_kernels import runs_as_is
 from ..host_state import HostSlot
 from ..passes import Pass
 from ..settings import Fallback, Settings
-from ..snapshot import random_state_kept
 from .checked_run import run_checked
 from .compile_step import compile_step, params_device, resolve_backend, step_pipeline
 from .entries import (
@@ -361,11 +360,6 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._created_state = run_entry(self._inner, entry, env)
 
     def _compile(self, sig: Signature, reason: str, expected: bool = False, variant: bool = False) -> CompiledEntry:
-        # Planning calibrates GEMMs on random inputs: the step's own draws (noise) stay eager's.
-        with random_state_kept():
-            return self._compile_or_not(sig, reason, expected, variant)
-
-    def _compile_or_not(self, sig: Signature, reason: str, expected: bool, variant: bool) -> CompiledEntry:
         try:
             validate(self._inner)
         except CaptureError as exc:  # a configuration we cannot trace (fused=True, LBFGS...)

@@ -127,9 +127,10 @@ def _write(path: Path, winners: dict[str, TileConfig]) -> None:
 def _inputs(spec: Any, device: torch.device) -> tuple[list[Any], dict[str, Any]]:
     """Arguments of one launch of ``spec``'s kernel, on inputs of its shape."""
     upcast = interpreting()
+    gen = torch.Generator(device=device).manual_seed(0)  # not the user's stream
 
     def randn(*shape: int, dtype: torch.dtype = spec.dtype) -> torch.Tensor:
-        return torch.randn(*shape, device=device).to(dtype)
+        return torch.randn(*shape, device=device, generator=gen).to(dtype)
 
     if isinstance(spec, GramSpec):
         x = randn(spec.batch, spec.m, spec.k)
