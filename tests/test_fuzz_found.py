@@ -51,10 +51,18 @@ class Bf16Decay(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
         for group in self.param_groups:
-            group.setdefault("k", torch.tensor(0.0))
-            group["k"] += 1
-            lr = group["lr"] / (1 - group["beta"] ** group["k"].item())
-            torch._foreach_mul_(group["params"], 1 - lr * group["wd"])
+            self.decay(group["params"], 1 - self.lr(group) * group["wd"])
+
+    @staticmethod
+    def lr(group: dict) -> float:
+        """A bias-corrected lr from a tensor counter read with ``.item()``: a new scalar each step."""
+        group.setdefault("k", torch.tensor(0.0))
+        group["k"] += 1
+        return group["lr"] / (1 - group["beta"] ** group["k"].item())
+
+    @staticmethod
+    def decay(params: list[torch.Tensor], factor: float) -> None:
+        torch._foreach_mul_(params, factor)
 
 
 def _params(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
@@ -99,14 +107,10 @@ def test_noise_a_host_read_depends_on_is_refused_before_anything_changes(tmp_pat
 class Bf16FunctionalDecay(Bf16Decay):
     """The functional spelling: eager's ``_foreach_mul`` computes in fp32, and so must the step."""
 
-    @torch.no_grad()
-    def step(self) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            group.setdefault("k", torch.tensor(0.0))
-            group["k"] += 1
-            lr = group["lr"] / (1 - group["beta"] ** group["k"].item())
-            for p, new in zip(group["params"], torch._foreach_mul(group["params"], 1 - lr * group["wd"])):
-                p.copy_(new)
+    @staticmethod
+    def decay(params: list[torch.Tensor], factor: float) -> None:
+        for p, new in zip(params, torch._foreach_mul(params, factor)):
+            p.copy_(new)
 
 
 @pytest.mark.parametrize("make", [Bf16Decay, Bf16FunctionalDecay], ids=["in-place", "functional"])
@@ -132,3 +136,20 @@ def test_the_in_place_kernel_is_what_the_generated_step_calls(tmp_path: Path) ->
     torch._foreach_mul_([inplace], scalar)
     assert not torch.equal(torch._foreach_mul([x], scalar)[0], inplace)  # the premise: two kernels
     assert torch.equal(on_copies("_foreach_mul_.Scalar")([x], scalar)[0], inplace)
+
+
+def test_a_record_loaded_from_disk_keeps_the_in_place_kernel(tmp_path: Path) -> None:
+    """The tag travels in the warm-start record (graph_codec keeps it): the loaded step is eager's too."""
+    want = _run(Bf16Decay, False, tmp_path, torch.bfloat16)
+    first = _run(Bf16Decay, True, tmp_path / "c", torch.bfloat16, warm_start=True)
+    params = _params(torch.bfloat16)
+    loaded = hocompile.compile_optimizer(Bf16Decay(params), cache_dir=tmp_path / "c", warm_start=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        loaded.step()
+    assert all(entry.warm for entry in loaded.history)  # every program came from the record
+    assert "_foreach_mul_on_copies(" in loaded.history[-1].lowered.source
+    assert all(torch.equal(a, b) for a, b in zip(want, first))
+    assert all(torch.equal(a, p) for a, p in zip(want, params))
