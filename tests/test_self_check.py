@@ -324,3 +324,39 @@ def test_a_check_that_fails_before_its_probes_run_leaves_torch_compile_alone(cac
     torch._dynamo.reset()
     assert float(torch.compile(lambda t: (t * 2).sum(), backend=backend)(torch.ones(3))) == 6.0
     assert calls == [1]
+
+
+def test_checks_in_two_threads_leave_the_stance_as_they_found_it() -> None:
+    """Ranks as threads check at once. Nested as A in, B in, A out, B out: with one set_stance per
+    block, B restored the force_eager it found on entering, and the process stayed eager for good
+    (test_dist_ddp.py's expert tests, once)."""
+    import threading
+
+    from hocompile.runtime.judgement_modes import force_eager
+
+    def stance() -> str:
+        return torch._dynamo.eval_frame._stance.stance  # type: ignore[attr-defined]
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def a() -> None:
+        with force_eager():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(5)
+        with force_eager():
+            b_in.set()
+            a_out.wait(5)
+            seen.append(stance())  # A has left: B's block is still eager
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == ["force_eager"]
+    assert stance() == "default"

@@ -14,6 +14,7 @@ candidate's decompositions.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,16 +38,36 @@ _SUMMING = {
 }
 
 
+_STANCE_LOCK = threading.Lock()
+_STANCE_HOLDERS = 0  # blocks inside force_eager(), in every thread
+_STANCE_SET: Any = None  # the set_stance object of the first of them, which restores the stance before
+
+
 @contextmanager
 def force_eager() -> Iterator[None]:
     """Dynamo's ``force_eager`` stance while the block runs, and only then.
 
     ``torch.compiler.set_stance(...)`` sets the stance when it is *constructed*, not when entered:
     one built into a list of modes that is never entered (an error while copying the params)
-    left every later ``torch.compile`` in the process running eagerly, silently.
+    left every later ``torch.compile`` in the process running eagerly, silently. The stance is
+    one per process, and threads check at once (ranks as threads): each ``set_stance`` restores
+    the stance it found, so the block that left last could restore another's ``force_eager`` for
+    good (seen in tests/test_dist_ddp.py). So the first block in sets it and the last one out
+    puts back what the first found.
     """
-    with torch.compiler.set_stance("force_eager"):
+    global _STANCE_HOLDERS, _STANCE_SET
+    with _STANCE_LOCK:
+        if _STANCE_HOLDERS == 0:
+            _STANCE_SET = torch.compiler.set_stance("force_eager")
+        _STANCE_HOLDERS += 1
+    try:
         yield
+    finally:
+        with _STANCE_LOCK:
+            _STANCE_HOLDERS -= 1
+            if _STANCE_HOLDERS == 0:
+                _STANCE_SET.__exit__(None, None, None)
+                _STANCE_SET = None
 
 
 # ------------------------------------------------------------------ probes
