@@ -220,7 +220,8 @@ def _trace(
                     fp = by_slot[slot]
                     fp.grad = by_slot[InputSlot("grad", g, i)]
                     mode.stand_ins[id(fp)] = p  # requires_grad, is_leaf: the real param's (stand_ins.py)
-                    param_attrs[(g, i)] = (fp, stand_ins.install(fp, p, f"param_groups[{g}]['params'][{i}]"))
+                    where = f"param_groups[{g}]['params'][{i}]"
+                    param_attrs[(g, i)] = (fp, stand_ins.install(fp, p, where, lambda t: fake_of.get(id(t))))
                     params[k] = fp
                     fakes[(g, i)] = fp
                     entry = _fake_entry(saved_state.get(p, {}), by_slot, g, i, mode, result, boxes)
@@ -373,6 +374,8 @@ def _capture(
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")
     aliases = leaf_aliases(opt, slots, lambda s: slot_tensor(opt, s))
+    if any(s.kind == "pattr" for s in slots):  # a tensor hung on a param must not be a view of another input
+        stand_ins.refuse_attribute_overlaps([(s.describe(), slot_tensor(opt, s), s.kind == "pattr") for s in slots])
     # Python numbers the step rewrites (``group["step"] += 1``) become host
     # inputs; each trace can reveal more of them, so trace until none is new.
     lifted: frozenset[HostSlot] = frozenset()

@@ -12,6 +12,7 @@ from .capture_containers import container_attributes, container_value, leaf_slot
 from .containers import holds_tensors, leaf, tensor_leaves
 from .graph import InputSlot
 from .host_scalars import is_float
+from .stand_ins import tensor_attributes
 
 # Which params a trace hands the step, per group: their indices into the group's own
 # list, in order (None: all of them). A reduced trace (classes/stamp.py) runs the step
@@ -20,7 +21,7 @@ TraceView = dict[int, list[int]]
 
 
 def input_slots(opt: torch.optim.Optimizer, view: TraceView | None = None) -> list[InputSlot]:
-    """Tensor inputs of the step, in graph order: per param, param, grad, state."""
+    """Tensor inputs of the step, in graph order: per param, param, grad, state, tensor attributes."""
     slots: list[InputSlot] = []
     owned = _owned(opt)
     for g, group in enumerate(opt.param_groups):
@@ -36,6 +37,10 @@ def input_slots(opt: torch.optim.Optimizer, view: TraceView | None = None) -> li
                     slots.append(InputSlot("state", g, i, k))
                 elif holds_tensors(state[k]):  # a list, dict, deque or object of tensors: one input per leaf
                     slots += leaf_slots(InputSlot("state", g, i, k), state[k], owned)
+            # Tensors hung on the param (Megatron's main_grad): inputs like its state; one that *is*
+            # the param, its grad or a state tensor is that input (stand_ins.py points it there)
+            mine = {id(p), id(p.grad), *(id(v) for v in state.values() if isinstance(v, torch.Tensor))}
+            slots += [InputSlot("pattr", g, i, k) for k, v in tensor_attributes(p) if id(v) not in mine]
     # Tensors held as optimizer attributes (GradScaler's grad_scale and
     # found_inf on a fused optimizer, a user's scale tensor, a cache of
     # buffers) and tensor hyperparameters (lr=torch.tensor(0.01)): inputs
@@ -67,6 +72,7 @@ def _owned(opt: torch.optim.Optimizer) -> set[int]:
             if p.grad is not None:
                 owned.add(id(p.grad))
             owned.update(id(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+            owned.update(id(v) for _, v in tensor_attributes(p))
     return owned | {id(v) for k, v in vars(opt).items() if k != "state" and isinstance(v, torch.Tensor)}
 
 
@@ -90,12 +96,19 @@ def slot_tensor(opt: torch.optim.Optimizer, slot: InputSlot) -> torch.Tensor:
         return vars(opt)[slot.key]  # type: ignore[no-any-return]
     if slot.kind == "group":
         return opt.param_groups[slot.group][slot.key]  # type: ignore[no-any-return]
-    p = opt.param_groups[slot.group]["params"][slot.index]
+    return member_tensor(opt, slot, opt.param_groups[slot.group]["params"][slot.index])
+
+
+def member_tensor(opt: torch.optim.Optimizer, slot: InputSlot, p: torch.Tensor) -> torch.Tensor:
+    """The tensor of a per-param slot (graph.PER_PARAM) for param ``p``: itself, its grad, a state
+    entry or a tensor attribute (a stamped program runs one slot for every member of its class)."""
     if slot.kind == "param":
         return p
     if slot.kind == "grad":
-        return p.grad
-    return opt.state[p][slot.key]
+        return p.grad  # type: ignore[return-value]
+    if slot.kind == "pattr":
+        return getattr(p, slot.key)  # type: ignore[no-any-return]
+    return opt.state[p][slot.key]  # type: ignore[no-any-return]
 
 
 def tensor_lookup(opt: torch.optim.Optimizer) -> Callable[[InputSlot], torch.Tensor]:

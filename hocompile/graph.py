@@ -38,11 +38,17 @@ COMPILED_HELPER = "hocompile.compiled_helper"  # the name#digest a compiled_call
 HOST_SCALAR = f"{dtypes.name(torch.float64)} (host)"
 
 
+# The slot kinds that belong to one param (a member of a parameter class), not to its group or
+# the optimizer: they are per member wherever classes, stacks and checks split a step by param.
+PER_PARAM = ("param", "grad", "state", "pattr")
+
+
 @dataclass(frozen=True)
 class InputSlot:
     """Where a tensor input of the step graph lives in the optimizer."""
 
-    # "param" | "grad" | "state" | "attr" (a tensor attribute of the optimizer, by key)
+    # "param" | "grad" | "state" | "pattr" (a tensor attribute of a param, by name: Megatron's
+    # ``main_grad``) | "attr" (a tensor attribute of the optimizer, by key)
     # | "group" (a tensor in param_groups[group][key], e.g. lr=torch.tensor(0.01))
     # | "global" (a stamped step's class program: value ``index`` of the step's shared part)
     # | "graph" (input ``index`` of a graph torch.compile handed over: dynamo/graphs.py)
@@ -69,7 +75,7 @@ class InputSlot:
             return f"a_{_ident(self.key)}{inner}"
         if self.kind == "group":
             return f"gt{self.group}_{_ident(self.key)}{inner}"
-        base = {"param": "p", "grad": "g", "state": "s"}[self.kind]
+        base = {"param": "p", "grad": "g", "state": "s", "pattr": "pa"}[self.kind]
         suffix = f"_{_ident(self.key)}" if self.key else ""
         return f"{base}{self.group}_{self.index}{suffix}{inner}"
 
@@ -89,6 +95,8 @@ class InputSlot:
             return where
         if self.kind == "grad":
             return f"{where}.grad"
+        if self.kind == "pattr":
+            return f"{where}.{self.key}"
         return f"state[{where}][{self.key!r}]{self.path}"
 
 

@@ -12,10 +12,13 @@ So while tracing:
 - its class: ``isinstance(p, nn.Parameter)`` and ``type(p) is nn.Parameter`` hold as for the
   real param (a fake tensor is a plain Tensor: both branches went the other way);
 - every Python attribute of the real param (its ``__dict__``) is set on the stand-in; a
-  tensor-valued one (``main_grad``) is not modelled as a traced input, so it is an
-  :class:`Unmodelled` that refuses any use, naming the attribute and the line;
-- an attribute the step sets or changes on a param is refused too: the compiled step keeps
-  no state on params (keep it in ``state``).
+  tensor-valued one (Megatron's ``main_grad``) is an input of the step like the param's state
+  (capture_slots.py, slot kind "pattr"): the stand-in holds its traced tensor, written in place as
+  the step writes it; one that shares memory with another of the step's tensors without being it
+  is refused (a functional graph would update the two independently). A container holding tensors
+  is not modelled: it is an :class:`Unmodelled` that refuses any use, naming the attribute and the line;
+- an attribute the step sets, rebinds or changes on a param is refused too: the compiled step
+  keeps no state on params (keep it in ``state``).
 
 Both flags and the attributes are part of the step's signature (guards.py, fast_guard.py)
 and of the parameter class (classes/classify.py): another value recompiles, and two params
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .containers import holds_tensors
 from .errors import CaptureError
 from .scalars import user_line
 
@@ -106,7 +110,7 @@ def frozen_attributes(p: torch.Tensor) -> tuple[tuple[str, Hashable], ...]:
 
 def _freeze(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.device)
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_freeze(v) for v in value))
     if isinstance(value, dict):
@@ -119,16 +123,18 @@ def _freeze(value: Any) -> Hashable:
 
 
 class Unmodelled:
-    """Stands for a param attribute hocompile does not trace (a tensor): any use refuses, naming it."""
+    """Stands for a param attribute hocompile does not trace (a container of tensors): any use refuses,
+    naming it."""
 
     def __init__(self, what: str) -> None:
         object.__setattr__(self, "_what", what)
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise CaptureError(
-            f"the step uses {object.__getattribute__(self, '_what')}, a tensor attribute of a param{user_line()}; "
-            "hocompile traces params, grads, state and group entries, not tensors hung on a param, so a compiled "
-            "step would read a stale value. Keep it in the optimizer's state, or run this optimizer eagerly"
+            f"the step uses {object.__getattribute__(self, '_what')}, a param attribute holding tensors"
+            f"{user_line()}; hocompile traces params, grads, state, group entries and tensors hung on a param "
+            "themselves, not containers of them, so a compiled step would read stale values. Keep them in the "
+            "optimizer's state, or run this optimizer eagerly"
         )
 
     __getattr__ = __bool__ = __len__ = __iter__ = __float__ = __int__ = __index__ = _refuse  # type: ignore[assignment]
@@ -143,9 +149,47 @@ class Unmodelled:
         return NotImplemented
 
 
-def install(stand_in: torch.Tensor, real: torch.Tensor, where: str) -> dict[str, tuple[Any, Hashable]]:
+def tensor_attributes(p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors hung on a param as Python attributes (``main_grad``), by name: inputs of the step."""
+    attrs = p.__dict__
+    if not attrs:
+        return []
+    return sorted((k, v) for k, v in attrs.items() if isinstance(v, torch.Tensor) and not _internal(k))
+
+
+def refuse_attribute_overlaps(tensors: list[tuple[str, torch.Tensor, bool]]) -> None:
+    """Refuse a param's tensor attribute that shares memory with another of the step's tensors
+    without being it (``p.flat = p.view(-1)``): the traced graph is functional, so a write through one
+    would not be seen through the other. ``tensors``: (where, tensor, is a tensor attribute). Disjoint
+    views of one buffer (Megatron's ``main_grad``s, slices of one grad buffer) are independent."""
+    spans: dict[int, list[tuple[int, int, str, bool]]] = {}
+    for where, t, attribute in tensors:
+        if t.device.type == "meta" or not t.numel():
+            continue
+        try:
+            ptr = int(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            continue
+        first = int(t.storage_offset())
+        last = first + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride()))
+        begin, end = first * t.element_size(), (last + 1) * t.element_size()
+        held = spans.setdefault(ptr, [])
+        for b, e, other, other_attribute in held:
+            if (attribute or other_attribute) and b < end and begin < e:
+                raise CaptureError(
+                    f"{where} shares memory with {other} without being the same tensor: the compiled step "
+                    "is functional, so a write through one would not reach the other. Make the attribute "
+                    "that very tensor, or keep it apart, or run this optimizer eagerly (fallback='eager')"
+                )
+        held.append((begin, end, where, attribute))
+
+
+def install(
+    stand_in: torch.Tensor, real: torch.Tensor, where: str, traced: Callable[[torch.Tensor], torch.Tensor | None]
+) -> dict[str, tuple[Any, Hashable]]:
     """Give ``stand_in`` the real param's Python attributes; what was installed (each value and its frozen
-    form, to see in-place changes), to check after the trace."""
+    form, to see in-place changes), to check after the trace. ``traced``: a tensor attribute's traced
+    tensor (the input it is, or None where it is none: refused on use)."""
     installed: dict[str, tuple[Any, Hashable]] = {}
     if isinstance(real, torch.nn.Parameter):
         # isinstance(p, nn.Parameter) holds for a tensor flagged _is_param (Parameter's metaclass):
@@ -159,6 +203,10 @@ def install(stand_in: torch.Tensor, real: torch.Tensor, where: str) -> dict[str,
             pass
     for key, value in real.__dict__.items():
         if isinstance(value, torch.Tensor):
+            value = traced(value) if not _internal(key) else None
+            if value is None:
+                value = Unmodelled(f"{where}.{key}")
+        elif holds_tensors(value):  # a deep copy would hand the trace real tensors: baked in as constants
             value = Unmodelled(f"{where}.{key}")
         else:
             try:

@@ -139,7 +139,7 @@ def test_a_lost_attribute_is_caught(cache_dir: Any, monkeypatch: Any) -> None:
     """Stand-ins that lose the params' Python attributes (the class of bug issue 30 found in Megatron)."""
     from hocompile import stand_ins
 
-    monkeypatch.setattr(stand_ins, "install", lambda stand_in, real, where: {})
+    monkeypatch.setattr(stand_ins, "install", lambda stand_in, real, where, traced: {})
     eager = ReadsAttributes(_tagged(0))  # Megatron-like: a param tagged is_qkv is normalised per third
     compiled = hocompile.compile_optimizer(ReadsAttributes(_tagged(0)), cache_dir=cache_dir)
     with pytest.warns(SelfCheckWarning, match="differs where the plan keeps eager's arithmetic"):

@@ -165,12 +165,12 @@ def test_a_changed_attribute_or_flag_recompiles_with_its_name(tmp_path: Path) ->
     assert "param_groups[0]['params'][3].requires_grad changed True -> False" in reasons, reasons
 
 
-class ReadsTensorAttribute(LrOnly):
+class ReadsTensorList(LrOnly):
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
         for p in self.param_groups[0]["params"]:
-            p.add_(p.main_grad, alpha=-0.1)
+            p.add_(p.grads_seen[-1], alpha=-0.1)
 
 
 class SetsAttribute(LrOnly):
@@ -184,9 +184,9 @@ class SetsAttribute(LrOnly):
 
 @pytest.mark.parametrize(
     ("kind", "words"),
-    [(ReadsTensorAttribute, "uses param_groups[0]['params'][0].main_grad, a tensor attribute"),
+    [(ReadsTensorList, "uses param_groups[0]['params'][0].grads_seen, a param attribute holding tensors"),
      (SetsAttribute, "sets the Python attribute param_groups[0]['params'][0].'seen'")],
-    ids=["tensor attribute", "sets an attribute"],
+    ids=["tensors in an attribute", "sets an attribute"],
 )
 def test_what_is_not_modelled_is_refused_naming_it_before_anything_changes(
     kind: type, words: str, tmp_path: Path
@@ -194,7 +194,7 @@ def test_what_is_not_modelled_is_refused_naming_it_before_anything_changes(
     params = [torch.nn.Parameter(torch.randn(3, 3)) for _ in range(2)]
     for p in params:
         p.grad = torch.randn(3, 3)
-        p.main_grad = p.grad.clone()  # type: ignore[attr-defined]
+        p.grads_seen = [p.grad.clone()]  # type: ignore[attr-defined]
     before = [p.detach().clone() for p in params]
     opt = hocompile.compile_optimizer(kind(params), cache_dir=tmp_path)
     with pytest.raises(CaptureError, match=words.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):

@@ -24,7 +24,7 @@ import torch
 
 from .. import dtypes
 from ..host_state import HostSlot
-from ..stand_ins import frozen_attributes
+from ..stand_ins import frozen_attributes, tensor_attributes
 
 Layout = tuple[Any, ...]
 
@@ -85,7 +85,9 @@ def _title(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
 
     state = opt.state.get(p, {})
     keys = [f"{k} {show(v)}" if isinstance(v, torch.Tensor) else str(k) for k, v in state.items()]
-    return show(p) + (f", state {', '.join(keys)}" if keys else ", no state yet")
+    hung = [f"{k} {show(v)}" for k, v in tensor_attributes(p)]  # main_grad: an input of each member too
+    held = f", .{', .'.join(hung)}" if hung else ""
+    return show(p) + held + (f", state {', '.join(keys)}" if keys else ", no state yet")
 
 
 def classify(opt: torch.optim.Optimizer, lifted: frozenset[HostSlot] = frozenset()) -> list[ParamClass]:
@@ -122,6 +124,7 @@ def shared_storage(opt: torch.optim.Optimizer, classes: list[ParamClass]) -> str
                 return ""  # no memory to share (hocompile.plan on meta tensors)
             where = f"param_groups[{cls.group}]['params'][{i}]"
             tensors = [p, p.grad] + [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            tensors += [v for _, v in tensor_attributes(p)]  # main_grads: disjoint slices of one buffer
             for t in tensors:
                 if t is None or t.numel() == 0:
                     continue

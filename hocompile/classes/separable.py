@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..capture_graph import OutputAction
-from ..graph import ORIGIN, ROLE, InputSlot
+from ..graph import ORIGIN, PER_PARAM, ROLE, InputSlot
 from ..scalars import Expr
 
 MemberId = tuple[int, int]  # (group, index into the group's params)
@@ -42,7 +42,7 @@ _MEMBER_NAME = re.compile(r"^g(\d+)\.p(\d+)\.state\.")
 
 def member_of_slot(slot: InputSlot) -> MemberId | None:
     """The member a tensor input belongs to; None for optimizer attributes and group tensors (shared)."""
-    return (slot.group, slot.index) if slot.kind in ("param", "grad", "state") else None
+    return (slot.group, slot.index) if slot.kind in PER_PARAM else None
 
 
 def member_of_name(name: str) -> MemberId | None:

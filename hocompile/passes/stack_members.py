@@ -39,7 +39,7 @@ import torch.fx as fx
 from .. import dtypes
 from ..decisions import Alternative, Decision, decisions_of, format_seconds, record
 from ..diskcache import read_json, write_json
-from ..graph import ROLE, InputSlot
+from ..graph import PER_PARAM, ROLE, InputSlot
 from ..registry import registered_calls
 from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
@@ -142,7 +142,7 @@ def _owners(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
     for node in gm.graph.nodes:
         role = node.meta.get(ROLE)
         if node.op == "placeholder":
-            member = isinstance(role, InputSlot) and role.kind in ("param", "grad", "state")
+            member = isinstance(role, InputSlot) and role.kind in PER_PARAM
             deps[node] = frozenset([(role.group, role.index)] if member else [])
         else:
             deps[node] = frozenset().union(*(deps.get(a, frozenset()) for a in node.all_input_nodes))

@@ -30,6 +30,7 @@ from torch._ops import OpOverload
 
 from ..capture import slot_tensor
 from ..graph import InputSlot
+from ..stand_ins import tensor_attributes
 
 if TYPE_CHECKING:
     from .entries import CompiledEntry
@@ -119,6 +120,8 @@ def _rows(opt: torch.optim.Optimizer, p: torch.Tensor) -> int:
     tensor of its shape or a single element, the shape's rows alone setting the count, so members of
     one shape are sliced alike."""
     if p.dim() < 1 or p.numel() < SLICE_FROM or (p.grad is not None and p.grad.shape != p.shape):
+        return 0
+    if tensor_attributes(p):  # main_grad: a copy of its own, not sliced with the param
         return 0
     state = opt.state.get(p, {}).values()
     if any(isinstance(v, torch.Tensor) and v.numel() != 1 and v.shape != p.shape for v in state):

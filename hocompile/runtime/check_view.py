@@ -5,6 +5,7 @@ private copies of what a run may change in place: group entries, optimizer attri
 members' state (tensors cloned; containers and objects holding tensors, and plain lists and dicts,
 deep-copied). The optimizer gets its own objects back after the run (verify.put_back), and the run's
 results come back by name: ``g0.p3`` (a param), ``g0.p3.grad``, ``g0.p3.exp_avg`` (state),
+``g0.p3.@main_grad`` (a tensor attribute),
 ``g0.step`` (a group entry), ``attr.calls`` (an attribute), a container's leaves by their path.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from ..containers import flatten, holds_tensors
 from ..snapshot import random_state_kept
-from ..stand_ins import real_id
+from ..stand_ins import real_id, tensor_attributes
 from .check_slices import sliced
 from .verify import copy_param, put_back, require_untouched, tensor_versions
 
@@ -94,6 +95,8 @@ class View:
                 for key, value in saved_state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
                         before[f"g{g}.p{i}.{key}"] = value if part is None else sliced(value, p, part)
+                for key, value in tensor_attributes(p):  # (a param holding any is never sliced)
+                    before[f"g{g}.p{i}.@{key}"] = value
         try:
             with random_state_kept(), torch.no_grad(), ExitStack() as stack:
                 for group, group_copies in zip(groups, copies):
@@ -129,6 +132,10 @@ class View:
                 if c.grad is not None:
                     result.tensors[name + ".grad"] = c.grad.detach()
                     members.add(id(c.grad))
+                for key, value in tensor_attributes(c):  # main_grad: its own copy, written in place
+                    if value is not c and value is not c.grad:
+                        result.tensors[f"{name}.@{key}"] = value.detach()
+                        members.add(id(value))
                 entries = opt.state.get(c, {})
                 result.host[name + ".keys"] = sorted(map(str, entries))
                 for key, value in entries.items():
@@ -252,4 +259,6 @@ def describe_name(name: str) -> str:
         return f"{where}.grad"
     if key == "keys":
         return f"{where}'s state keys"
+    if key.startswith("@"):
+        return f"{where}.{key[1:]}"
     return f"{where} state {key!r}"

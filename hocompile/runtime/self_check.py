@@ -349,6 +349,8 @@ def _slot_name(slot: InputSlot) -> str:
         return f"g{slot.group}.p{slot.index}.grad"
     if slot.kind == "state":
         return f"g{slot.group}.p{slot.index}.{slot.key}"
+    if slot.kind == "pattr":
+        return f"g{slot.group}.p{slot.index}.@{slot.key}"
     if slot.kind == "group":
         return f"g{slot.group}.{slot.key}"
     return f"attr.{slot.key}"

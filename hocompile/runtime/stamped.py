@@ -20,9 +20,9 @@ import torch
 
 from ..capture import CapturedStep, slot_tensor
 from ..capture_graph import OutputAction
+from ..capture_slots import member_tensor
 from ..classes.separable import GLOBAL, expr_members, generic_name, member_of_name
 from ..classes.stamp import Stamp
-from ..graph import InputSlot
 from ..host_state import MISSING, HostSlot, HostUpdate
 from ..lowering.class_programs import Program
 from ..scalars import Expr, Guard, ScalarProgram, build_scalar_program
@@ -182,7 +182,7 @@ def run_stamped(opt: torch.optim.Optimizer, run: StampedRun, env: dict[str, Any]
 def _install(opt: torch.optim.Optimizer, action: OutputAction, p: torch.Tensor, value: torch.Tensor) -> bool:
     """A kept output of a member's program put in place; True if it created state."""
     if action.mode == "copy":
-        _member_tensor(opt, action.slot, p).copy_(value)
+        member_tensor(opt, action.slot, p).copy_(value)
         return False
     opt.state[p][action.slot.key] = value
     return True
@@ -245,6 +245,8 @@ def _run_chunk(
                 args.append(params)
             elif kind == "grad":
                 args.append([p.grad for p in params])
+            elif kind == "pattr":
+                args.append(list(map(_attribute(key), params)))
             else:
                 args.append([state[p][key] for p in params])
     for j, per_member in enumerate(host.per_member):
@@ -259,13 +261,8 @@ def _run_chunk(
     return created
 
 
-def _member_tensor(opt: torch.optim.Optimizer, slot: InputSlot, p: torch.Tensor) -> torch.Tensor:
-    if slot.kind == "param":
-        return p
-    if slot.kind == "grad":
-        assert p.grad is not None
-        return p.grad
-    return opt.state[p][slot.key]  # type: ignore[no-any-return]
+def _attribute(key: str) -> Callable[[Any], Any]:
+    return lambda p: getattr(p, key)  # (not attrgetter: a name may hold a dot)
 
 
 def _fetchers(opt: torch.optim.Optimizer, program: Program, exports: list[Any]) -> list[Callable[[Any], Any]]:
@@ -293,6 +290,8 @@ def _fetchers(opt: torch.optim.Optimizer, program: Program, exports: list[Any]) 
                 fetch.append(_itself)
             elif src.slot.kind == "grad":
                 fetch.append(attrgetter("grad"))
+            elif src.slot.kind == "pattr":
+                fetch.append(_attribute(src.slot.key))
             else:
                 fetch.append(state_entry(src.slot.key))
     return fetch

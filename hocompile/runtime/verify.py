@@ -79,6 +79,7 @@ from ..errors import VerificationError  # noqa: F401  (defined there, re-exporte
 from ..graph import InputSlot
 from ..host_state import HostSlot
 from ..settings import Fallback
+from ..stand_ins import tensor_attributes
 from .judgement_modes import reference_run
 from .reference_classes import expand_host_slots, stamped_planned, stamped_references
 from .reference_step import References, plan_dependent_slots
@@ -235,7 +236,10 @@ class _Mirror:
         with torch.no_grad():
             for group, copies in zip(opt.param_groups, self.params):
                 for p, c in zip(group["params"], copies):
+                    hung = [(v, getattr(c, k)) for k, v in tensor_attributes(p) if v is not p and v is not p.grad]
                     p.copy_(c)
+                    for value, eager_value in hung:  # main_grad: written in place, as eager's step did
+                        value.copy_(eager_value)
                     if c.grad is None:
                         p.grad = None
                     elif p.grad is not None and _same_layout(p.grad, c.grad):
@@ -343,6 +347,11 @@ def copy_param(p: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
     # What the step reads of the param besides its data (Megatron's is_qkv, partition_dim): the
     # copy must take the same branches, or eager on copies is another step (stand_ins.py).
     c.__dict__.update(p.__dict__)
+    # Tensors hung on it (main_grad) are inputs the step may write in place: copies of their own
+    # (the grad or the param itself where the attribute is that very tensor). A sliced copy has
+    # none to slice: check_slices does not slice such a param.
+    for key, value in tensor_attributes(p):
+        setattr(c, key, c if value is p else c.grad if value is p.grad else value.detach().clone())
     return c
 
 
@@ -363,6 +372,7 @@ def tensor_versions(opt: torch.optim.Optimizer) -> list[int]:
         for p in group["params"]:
             out += [p._version, -1 if p.grad is None else p.grad._version]
             out += [v._version for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            out += [v._version for _, v in tensor_attributes(p)]
     return out
 
 
@@ -395,6 +405,10 @@ def _compare(
                 diffs.append(f"state keys {sorted(map(str, real))} vs eager's {sorted(map(str, eager))}")
             for key in [k for k in real if k in eager]:
                 diffs += _check_entry(check, InputSlot("state", g, i, key), real[key], eager[key])
+            diffs += [
+                check(f".{key}", InputSlot("pattr", g, i, key), value, getattr(c, key, None))
+                for key, value in tensor_attributes(p)
+            ]
             if any(diffs):
                 shape = "×".join(str(s) for s in p.shape) or "scalar"
                 problems.append((f"param_groups[{g}]['params'][{i}] (shape {shape})", [d for d in diffs if d]))
