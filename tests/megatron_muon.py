@@ -79,7 +79,7 @@ def main() -> None:
     if args.lose_attributes:
         from hocompile import stand_ins
 
-        stand_ins.install = lambda stand_in, real, where: {}
+        stand_ins.install = lambda stand_in, real, where, traced: {}
     compiled = hocompile.compile_optimizer(inner, disable_passes=["fuse-newton-schulz"], fallback="error",
                                            self_check=not args.lose_attributes)
     eager_params = [p for g in eager.param_groups for p in g["params"]]
