@@ -62,7 +62,12 @@ from .measure_ns import (
 )
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
-MAX_ONE_THREAD_WORK = 256 * 256 * 1024  # m²n of the largest NS that is also timed on one thread
+# m²n of the largest NS that is also timed on one thread. Above it all threads won here when quiet
+# (256×512: the twin 1.7x slower), and a twin timed faster on a loaded machine lost in the step:
+# each switch to one thread and back leaves the step's next multi-threaded op waking a parked
+# OpenMP worker. A per-expert MoE (192 256×512 views, two busy loops on the 2-core EPYC) ran its
+# Muon step in 4-12 s with its experts on one thread against ~1.5 s on all (eager: 1.2-2.0 s).
+MAX_ONE_THREAD_WORK = 64 * 64 * 1024
 SYMMETRIC_BLOCKS = 4  # 4x4: 1.47x on 768x3072 X Xᵀ here, 2x2 only 1.33x (newton_schulz.py)
 
 
@@ -150,7 +155,8 @@ def thread_twins(plan: Plan, m: int, n: int) -> list[Program]:
     """The rule's program and, where it may pay, the same program on one intra-op thread.
 
     One thread only for dense products up to MAX_ONE_THREAD_WORK (m²n): above it one
-    thread never won here (768×3072: 2x slower) and timing it cost ~0.2 s of compile per shape.
+    thread never won here quiet (256×512: 1.7x slower, 768×3072: 2x), timing it cost up to
+    ~0.2 s of compile per shape, and under load its win in isolation was a loss in the step.
     """
     program = Program(plan.compute_dtype, plan.matmul, plan.blocks, 0)
     if plan.blocks or torch.get_num_threads() < 2 or m * m * n > MAX_ONE_THREAD_WORK:
