@@ -107,6 +107,7 @@ class CapturedStep:
     # The source files whose code the first trace ran, besides torch's and hocompile's own:
     # the optimizer's, its helpers', a monkeypatch's (the warm start keys on their contents).
     code_files: tuple[str, ...] = ()
+    files_seen: bool = True  # False: a C-level profiler of the user's ran, so code_files is not known
     # Containers of tensors the step creates or reshapes: rebuilt after it (capture_containers.py).
     trees: tuple[TreeWrite, ...] = ()
     # Data-dependent host reads, run before the step (host_reads.py): their values are host inputs.
@@ -441,6 +442,7 @@ def _capture(
         stats=graph_stats(gm),
         sharded=sharded,
         code_files=files.files(),
+        files_seen=files.seeing,
         trees=tuple(first.trees),
         reads=reads,
         leaf_aliases=aliases,

@@ -41,8 +41,14 @@ class ExecutedFiles:
         self._codes: set[Any] = set()
         self.compiled: dict[str, None] = {}
         self._wrappers = dynamo_wrapper_codes()
+        # False while the user's own C-level profiler runs (cProfile, pyinstrument): it cannot be
+        # chained, nor put back with sys.setprofile, so this records nothing and no record is kept.
+        self.seeing = True
+        self._chained: Any = None
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if self._chained is not None:  # the user's Python-level profile function still sees every event
+            self._chained(frame, event, arg)
         if event != "call":
             return
         code = frame.f_code
@@ -59,11 +65,17 @@ class ExecutedFiles:
 
     def __enter__(self) -> ExecutedFiles:
         self._saved = sys.getprofile()
-        sys.setprofile(self._profile)
+        # sys.getprofile() hands back cProfile's Profiler object, which sys.setprofile would install
+        # as a Python function: the user's next call then raised "'Profile' object is not callable"
+        self.seeing = self._saved is None or callable(self._saved)
+        if self.seeing:
+            self._chained = self._saved
+            sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self._saved)
+        if self.seeing:
+            sys.setprofile(self._saved)
 
     def files(self) -> tuple[str, ...]:
         names = {code.co_filename for code in self._codes}

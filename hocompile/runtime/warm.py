@@ -159,6 +159,9 @@ def encode_step(step: Any, key: str) -> bytes | None:
     if holds_compiled_calls(step.gm):
         log.info("hocompile: not kept for a warm start: it calls torch.compile'd helpers (by process-local keys)")
         return None
+    if not captured.files_seen:  # keyed on no file, a record could outlive an edit of the optimizer
+        log.info("hocompile: not kept for a warm start: a profiler hid which source files the step ran")
+        return None
     files = {path: digest for path in captured.code_files if (digest := _file_digest(path)) is not None}
     try:
         cap = {f.name: getattr(captured, f.name) for f in dataclasses.fields(captured)}
