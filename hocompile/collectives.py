@@ -3,10 +3,12 @@
 Several Muon implementations all-gather the orthogonalised updates across
 ranks inside ``step()`` (``dist.all_gather``, ``all_gather_into_tensor``),
 even when run on one rank. A fake-tensor trace cannot run a real collective.
-With one rank every collective is a local copy (or nothing), so that is what
-the trace records, and the compiled step equals eager's. Across several ranks
-the step is refused with a clear error until a distributed plan
-(owner ranks, bucketed collectives) exists: a compiled step must never skip a collective.
+Over a group of one rank every collective is a local copy (or nothing), so that
+is what the trace records, and the compiled step equals eager's: a one-rank
+world, or a one-rank group inside a larger one (Megatron's tensor-parallel group
+at TP 1 in a data-parallel world). Across several ranks the step is refused with
+a clear error until a distributed plan (owner ranks, bucketed collectives) exists:
+a compiled step must never skip a collective.
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ _ONE_RANK: dict[str, Callable[..., Any]] = {
 }
 
 
+# where each call takes its process group, positionally (torch.distributed's signatures)
+_GROUP_AT = {
+    "all_gather": 2, "all_gather_into_tensor": 2, "_all_gather_base": 2, "reduce_scatter": 3,
+    "reduce_scatter_tensor": 3, "all_reduce": 2, "broadcast": 2, "barrier": 0,
+}
+
+
+def _group_size(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The ranks the call spans: its group's size (the default group's where it names none)."""
+    at = _GROUP_AT[name]
+    group = kwargs.get("group", args[at] if len(args) > at else None)
+    return int(torch.distributed.get_world_size(group))
+
+
 class _Done:
     """What an ``async_op=True`` collective returns: its work is already done."""
 
@@ -54,11 +70,11 @@ def traced_collectives() -> Iterator[None]:
     if not dist.is_available() or not dist.is_initialized():
         yield  # eager would fail the same way on a collective; nothing to patch
         return
-    world = dist.get_world_size()
     saved = {name: getattr(dist, name) for name in _ONE_RANK if hasattr(dist, name)}
 
     def local(name: str) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
+            world = _group_size(name, args, kwargs)
             if world != 1:
                 raise CaptureError(
                     f"the step calls torch.distributed.{name} across {world} ranks; hocompile does not "
