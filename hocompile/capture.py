@@ -316,6 +316,19 @@ def _trace(
     )
 
 
+def _refuse_attribute_overlaps(opt: torch.optim.Optimizer, slots: list[InputSlot], gm: fx.GraphModule) -> None:
+    """A tensor hung on a param that the step reads or writes must not share memory with another of
+    its inputs. One it never touches may (FSDP1's flat params carry views of themselves, ``_local_shard``):
+    its input stays unused."""
+    if not any(s.kind == "pattr" for s in slots):
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    used = {s for s, node in zip(slots, placeholders) if node.users}
+    stand_ins.refuse_attribute_overlaps(
+        [(s.describe(), slot_tensor(opt, s), s.kind == "pattr") for s in slots if s.kind != "pattr" or s in used]
+    )
+
+
 def _fake_entry(
     real_entry: dict[str, Any],
     by_slot: dict[InputSlot, torch.Tensor],
@@ -375,8 +388,6 @@ def _capture(
     if not slots:
         raise CaptureError("no parameter has a gradient: there is no step to compile")
     aliases = leaf_aliases(opt, slots, lambda s: slot_tensor(opt, s))
-    if any(s.kind == "pattr" for s in slots):  # a tensor hung on a param must not be a view of another input
-        stand_ins.refuse_attribute_overlaps([(s.describe(), slot_tensor(opt, s), s.kind == "pattr") for s in slots])
     # Python numbers the step rewrites (``group["step"] += 1``) become host
     # inputs; each trace can reveal more of them, so trace until none is new.
     lifted: frozenset[HostSlot] = frozenset()
@@ -392,6 +403,7 @@ def _capture(
     else:
         raise CaptureError("the step keeps rewriting new Python values on every trace; cannot compile it")
     refuse_untraced_collectives(first.gm, opt)
+    _refuse_attribute_overlaps(opt, slots, first.gm)
     second = _trace(opt, slots, structural, 1, lifted, view, opaque)
     updates = host_updates(first.changes, second.changes)
     gm = first.gm

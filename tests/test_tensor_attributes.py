@@ -81,7 +81,7 @@ def _params(hang: str = "buffer") -> tuple[list[torch.nn.Parameter], torch.Tenso
         elif hang == "grad":
             p.main_grad = p.grad  # type: ignore[attr-defined]
         elif hang == "view of the param":
-            p.main_grad = p.detach()[::2]  # type: ignore[attr-defined]
+            p.main_grad = p.detach()  # type: ignore[attr-defined]  (another tensor, the same memory)
         else:
             p.main_grad = torch.zeros(SHAPE)  # type: ignore[attr-defined]
     return params, buffer
@@ -182,3 +182,27 @@ def test_the_self_check_compares_what_a_step_writes_to_main_grad(tmp_path: Path,
             for a, b in zip(want, got):
                 assert torch.equal(a, b) and torch.equal(a.main_grad, b.main_grad), k  # type: ignore[attr-defined]
     assert compiled.counters.eager_fallbacks >= 1
+
+
+class PlainSGD(MainGradMomentum):
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.grad, alpha=-0.1)
+
+
+def test_a_view_of_the_param_the_step_never_touches_is_left_alone(tmp_path: Path) -> None:
+    """FSDP1's flat params carry views of themselves (``_local_shard``) that optimizers never read."""
+    want, got = _params("view of the param")[0], _params("view of the param")[0]
+    eager = PlainSGD(want)
+    compiled = hocompile.compile_optimizer(PlainSGD(got), cache_dir=tmp_path, fallback="error")
+    for k in range(3):
+        gen = torch.Generator().manual_seed(k)
+        for a, b in zip(want, got):
+            a.grad = torch.randn(SHAPE, generator=gen)
+            b.grad = a.grad.clone()
+        eager.step()
+        compiled.step()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(b.main_grad.data_ptr() == b.data_ptr() for b in got)  # type: ignore[attr-defined]
