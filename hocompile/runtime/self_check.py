@@ -35,6 +35,9 @@ the two agree and eagerly if not, so a mismatch leaves nothing half-applied.
   compiled steps' time (plus a second in all) waits until the steps have paid
   for it; explain() counts the postponed ones. A program's first check
   always runs.
+- **Eager's bf16 GEMMs in fp32 where the CPU has no bf16 units** (check_gemms.py): products of
+  the bf16 values summed in fp32 and rounded once, as aten's own slow path computes them but ~60x
+  faster; a difference seen so is judged again against eager's own run.
 - **A mismatch** warns (:class:`SelfCheckWarning`, naming the class, the
   tensor and the difference) and that program runs eagerly from then on.
 - **Not checked**: programs issuing collectives or over DTensor shards (a
@@ -64,6 +67,7 @@ from ..capture import unwrapped_step
 from ..errors import SelfCheckWarning  # noqa: F401  (defined there, re-exported here)
 from ..graph import InputSlot
 from .check_compare import compare as _compare
+from .check_gemms import HalfGemmsInFp32, slow_half_gemms
 from .check_slices import first_check_slices
 from .check_view import UnfaithfulView, View, ViewResult, same_bits
 from .judgement_modes import Boundaries, Rounding, force_eager, reference_run
@@ -240,13 +244,21 @@ def _check_on(
     def boundaries() -> list[Any]:  # the compiled step's decompositions handed to eager (judgement.py)
         return [Boundaries(recorded, substitute=True)] if recorded else []
 
-    try:
+    units = 0.0 if entry.lowered is None or entry.lowered.backend == "aten" else POINTWISE_ULPS
+
+    def judged(slow: frozenset[torch.dtype]) -> tuple[list[str], str]:
+        """Eager's runs (``slow``: their GEMMs of these dtypes in fp32, check_gemms.py) and the judgement."""
+        nonlocal recorded
+
+        def gemms() -> list[Any]:
+            return [HalfGemmsInFp32(slow)] if slow else []
+
         with reference_run():  # eager's decompositions: not the step's, for a judgement around this step
             modes = boundaries()
-            reference = view.run(opt, step, modes)
+            reference = view.run(opt, step, [*gemms(), *modes])
             if modes and modes[0].unmatched:  # all or nothing: a half-substituted eager is tighter than allowed
                 recorded = []
-                reference = view.run(opt, step)
+                reference = view.run(opt, step, gemms())
             probes: list[ViewResult] = []
             differ = _differ(got, reference, planned)
             if differ and not opted_out:
@@ -254,15 +266,21 @@ def _check_on(
                 # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
                 around = view if entry.stamped is None else view.only(differ, opt)
                 probes = [
-                    around.run(opt, step, [*boundaries(), Rounding(1 + k), force_eager()])
+                    around.run(opt, step, [*boundaries(), *gemms(), Rounding(1 + k), force_eager()])
                     for k in range(PROBES)
                 ]
+        return _compare(got, reference, probes, planned, units, opted_out)
+
+    try:
+        slow = slow_half_gemms()
+        outcome = judged(slow)
+        if slow and outcome[0]:  # a difference seen beside the faster reference: judged against eager's own
+            outcome = judged(frozenset())
     except Exception as exc:  # noqa: BLE001 - eager's own error: the real eager step raises it again
         if sliced:
             raise
         return f"eager's step could not run on copies ({type(exc).__name__}: {exc})"
-    units = 0.0 if entry.lowered is None or entry.lowered.backend == "aten" else POINTWISE_ULPS
-    return _compare(got, reference, probes, planned, units, opted_out)
+    return outcome
 
 
 def _differ(got: ViewResult, want: ViewResult, planned: Callable[[str], bool]) -> set[tuple[int, int]]:
