@@ -162,3 +162,36 @@ def test_a_difference_where_the_plan_keeps_eagers_arithmetic_is_judged_against_e
     # the faster reference, made to round unlike aten's bf16 GEMM (as another summation order can: here
     # on 128×1024 operands, not on small ones), differs where bitwise is promised; eager's own run agrees
     assert judgements.outcomes[0] and judgements.outcomes[1] == []
+
+
+@torch.compile(fullgraph=True)
+def _compiled_products(g: torch.Tensor, lr: float) -> torch.Tensor:
+    x = g.bfloat16()
+    return (x @ x.mT @ x).float() * lr
+
+
+class CompiledHelper(torch.optim.Optimizer):
+    """A step calling a torch.compile'd helper with bf16 products (dion's, nanochat's style)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(_compiled_products(p.grad, group["lr"]))
+
+
+def test_a_step_with_a_torch_compiled_helper_is_checked_against_eagers_own(cache_dir: Any, monkeypatch: Any) -> None:
+    # Under a dispatch mode Dynamo compiles the helper anew (fullgraph: refuses), and that cache entry would
+    # be the real step's too: such a step is checked against eager as eager runs, never the faster way.
+    judgements = _Judgements(monkeypatch)
+    shapes = [(24, 40)] * 3
+    eager = CompiledHelper(_params(shapes))
+    compiled = hocompile.compile_optimizer(CompiledHelper(_params(shapes)), cache_dir=cache_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SelfCheckWarning)
+        diffs = _run(eager, compiled, 3)
+    assert diffs == [0.0] * 3 and compiled.counters.eager_fallbacks == 0
+    assert judgements.gemms == 0 and judgements.outcomes == [[]] * len(judgements.outcomes)

@@ -12,6 +12,10 @@ fp32 GEMM kernels: eager's arithmetic in another summation order, which is what 
 Rounding probe already models as eager's own spread (judgement_modes.py). A check that finds a
 difference so judges again against eager's own bf16 run (self_check.py), so the faster reference
 can only cost a rerun, never pass a step the exact one would fail or fail one it would pass.
+
+Not for a step that calls a torch.compile'd helper: under a dispatch mode Dynamo does not reuse the
+helper's compiled code (with ``fullgraph=True`` it raises, and then no longer compiles the frame at
+all, for the real step either). Such a step is checked against eager as eager runs.
 """
 
 from __future__ import annotations
