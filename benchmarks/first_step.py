@@ -61,7 +61,7 @@ def _moe_views() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Ten
     return attention + routers + views, adamw, bases
 
 
-def _child(model: str, compiled: bool, cache_dir: str) -> dict[str, float]:
+def _child(model: str, compiled: bool, cache_dir: str, warm: int = WARM, steps: int = STEPS) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     import hocompile
     from benchmarks.self_check import gpt2_small
@@ -84,12 +84,12 @@ def _child(model: str, compiled: bool, cache_dir: str) -> dict[str, float]:
     if compiled:
         opts = [hocompile.compile_optimizer(o, cache_dir=cache_dir) for o in opts]
     times = []
-    for _ in range(WARM + STEPS):
+    for _ in range(warm + steps):
         start = time.perf_counter()
         for o in opts:
             o.step()
         times.append(time.perf_counter() - start)
-    return {"first_s": times[0], "second_s": times[1], "step_s": statistics.median(times[WARM:])}
+    return {"first_s": times[0], "second_s": times[1], "step_s": statistics.median(times[warm:])}
 
 
 def _run(model: str, compiled: bool, loaded: bool) -> dict[str, float]:

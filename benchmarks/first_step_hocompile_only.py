@@ -21,10 +21,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import benchmarks.first_step as first_step
 
-    first_step.WARM, first_step.STEPS = 2, 2
     model, compiled = sys.argv[1], sys.argv[2] == "1"
     started = time.perf_counter()
-    times = first_step._child(model, compiled, tempfile.mkdtemp())
+    times = first_step._child(model, compiled, tempfile.mkdtemp(), warm=2, steps=2)
     rounded = {k: round(v, 2) for k, v in times.items()}
     print(json.dumps({"model": model, "compiled": compiled, **rounded,
                       "total_s": round(time.perf_counter() - started, 1)}))

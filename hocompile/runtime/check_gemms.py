@@ -9,13 +9,19 @@ Muon matrices whose compiled step takes 0.55 s (eager's: 32 s), and each program
 Under :class:`HalfGemmsInFp32` the check's eager runs compute each bf16 GEMM as aten does without the
 units, products of the bf16 values summed in fp32 and the result rounded once to bf16, but with
 fp32 GEMM kernels: eager's arithmetic in another summation order, which is what the check's
-Rounding probe already models as eager's own spread (judgement_modes.py). A check that finds a
-difference so judges again against eager's own bf16 run (self_check.py), so the faster reference
-can only cost a rerun, never pass a step the exact one would fail or fail one it would pass.
+Rounding probe already models as eager's own spread (judgement_modes.py).
 
-Not for a step that calls a torch.compile'd helper: under a dispatch mode Dynamo does not reuse the
+So it is used only where that spread is the judgement (:func:`fp32_reference_dtypes`): every bf16
+GEMM of the compiled program is inside a planned op (fused Newton–Schulz), so the tensors it moves
+are all judged against eager's spread, never bitwise. A bf16 GEMM the plan keeps as eager writes it
+is promised eager's bits, and a compiled step computing it as this mode does would match the faster
+reference bit for bit while differing from eager's: such a program is checked against eager's own
+run. A check that finds a difference on the faster reference judges again against eager's own
+(self_check.py): it costs a rerun, and a step is failed only on eager's own bits.
+
+Nor for a step that calls a torch.compile'd helper: under a dispatch mode Dynamo does not reuse the
 helper's compiled code (with ``fullgraph=True`` it raises, and then no longer compiles the frame at
-all, for the real step either). Such a step is checked against eager as eager runs.
+all, for the real step either).
 """
 
 from __future__ import annotations
@@ -33,6 +39,26 @@ aten = torch.ops.aten
 _GEMMS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv})
 _IN_PLACE = {aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm, aten.addbmm_: aten.addbmm, aten.addmv_: aten.addmv}
 _NO_UNITS = 0.05  # a declared ratio below this: the dtype's GEMMs are emulated by the CPU (targets._EMULATED)
+
+
+def fp32_reference_dtypes(gm: torch.fx.GraphModule, calls_compiled_helpers: bool) -> frozenset[torch.dtype]:
+    """The dtypes whose GEMMs the self-check's eager runs may compute in fp32 for the program ``gm``
+    (its final graph): this CPU's slow ones, unless a GEMM of one is left outside the planned ops or
+    the step calls a torch.compile'd helper. Empty: the check runs eager as eager runs."""
+    slow = slow_half_gemms()
+    if not slow or calls_compiled_helpers:
+        return frozenset()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.hocompile_torch.compiled_call.default:
+            return frozenset()
+        packet: Any = getattr(node.target, "overloadpacket", None)
+        if packet is not None and _IN_PLACE.get(packet, packet) in _GEMMS:
+            value = node.meta.get("val")
+            if not isinstance(value, torch.Tensor) or value.dtype in slow:  # unknown dtype: assume the worst
+                return frozenset()
+    return slow
 
 
 def slow_half_gemms() -> frozenset[torch.dtype]:

@@ -37,7 +37,8 @@ the two agree and eagerly if not, so a mismatch leaves nothing half-applied.
   always runs.
 - **Eager's bf16 GEMMs in fp32 where the CPU has no bf16 units** (check_gemms.py): products of
   the bf16 values summed in fp32 and rounded once, as aten's own slow path computes them but ~60x
-  faster; a difference seen so is judged again against eager's own run.
+  faster; only where every bf16 GEMM of the program is inside a planned op (judged against eager's
+  spread, never bitwise), and a difference seen so is judged again against eager's own run.
 - **A mismatch** warns (:class:`SelfCheckWarning`, naming the class, the
   tensor and the difference) and that program runs eagerly from then on.
 - **Not checked**: programs issuing collectives or over DTensor shards (a
@@ -64,11 +65,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..capture import unwrapped_step
-from ..compiled_helpers import holds_compiled_calls
 from ..errors import SelfCheckWarning  # noqa: F401  (defined there, re-exported here)
 from ..graph import InputSlot
 from .check_compare import compare as _compare
-from .check_gemms import HalfGemmsInFp32, slow_half_gemms
+from .check_gemms import HalfGemmsInFp32, fp32_reference_dtypes
 from .check_slices import first_check_slices
 from .check_view import UnfaithfulView, View, ViewResult, same_bits
 from .judgement_modes import Boundaries, Rounding, force_eager, reference_run
@@ -273,7 +273,8 @@ def _check_on(
         return _compare(got, reference, probes, planned, units, opted_out)
 
     try:
-        slow = slow_half_gemms() if _no_dynamo(entry) else frozenset()
+        assert entry.captured is not None
+        slow = fp32_reference_dtypes(entry.captured.gm, _traces_compiled_helpers(entry))
         outcome: tuple[list[str], str] | None = None
         if slow:
             try:
@@ -289,12 +290,11 @@ def _check_on(
     return outcome
 
 
-def _no_dynamo(entry: CompiledEntry) -> bool:
-    """Whether eager's step runs no torch.compile'd helper: under a dispatch mode Dynamo compiles such a
-    helper otherwise (or, with fullgraph=True, refuses), and its cache entry is the real step's too."""
+def _traces_compiled_helpers(entry: CompiledEntry) -> bool:
+    """Whether the capture traced a torch.compile'd helper by its Python code (eager runs Inductor's
+    kernels there: executed_files.compiled_helpers_note). Helpers run as compiled are graph ops."""
     assert entry.captured is not None
-    notes = entry.captured.notes
-    return not holds_compiled_calls(entry.captured.gm) and not any("torch.compile" in n for n in notes)
+    return any("wrapped in torch.compile" in note for note in entry.captured.notes)
 
 
 def _differ(got: ViewResult, want: ViewResult, planned: Callable[[str], bool]) -> set[tuple[int, int]]:
@@ -367,7 +367,7 @@ def _planned(entry: CompiledEntry, fused_updates: bool) -> Callable[[str], bool]
     (eager runs Inductor's kernels there, which round otherwise: executed_files.compiled_helpers_note),
     or with ``fused_updates=True`` (torch's fused AdamW/SGD kernels: within 1e-6 of eager, not bitwise)."""
     assert entry.captured is not None
-    if any("wrapped in torch.compile" in note for note in entry.captured.notes) or fused_updates:
+    if _traces_compiled_helpers(entry) or fused_updates:
         return lambda name: True
     slots = stamped_planned(entry.stamped) if entry.stamped is not None else plan_dependent_slots(entry)
     names = frozenset(_slot_name(s) for s in slots)
