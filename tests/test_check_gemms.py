@@ -88,6 +88,7 @@ class _Judgements:
         self.outcomes: list[list[str]] = []
         self.gemms = 0
         monkeypatch.setattr(check_gemms, "slow_half_gemms", lambda: BF16)
+        monkeypatch.setattr(self_check, "FREE_SECONDS", 1e9)  # every check due runs, however loaded the machine
         real_compare, judgements = self_check._compare, self
 
         def compare(*args: Any) -> Any:

@@ -83,8 +83,11 @@ def test_a_check_beyond_the_budget_waits_for_the_steps_to_pay_for_it() -> None:
     assert record.seconds <= BUDGET * record.step_seconds + FREE_SECONDS
 
 
-def test_correct_programs_pass_silently_and_are_checked(cache_dir: Any) -> None:
+def test_correct_programs_pass_silently_and_are_checked(cache_dir: Any, monkeypatch: Any) -> None:
     """torch.optim.Muon (stamped: two members per class) and AdamW: no warning, eager's numerics."""
+    # The schedule, not the time budget, is under test here (the budget: the test above): under CI
+    # load three checks of 0.2-0.4 s reached FREE_SECONDS and the fourth was postponed.
+    monkeypatch.setattr(self_check, "FREE_SECONDS", 1e9)
     for factory in (lambda ps: torch.optim.Muon(ps, lr=0.02), lambda ps: torch.optim.AdamW(ps, lr=1e-2)):
         eager = factory(_params(SHAPES))
         compiled = hocompile.compile_optimizer(factory(_params(SHAPES)), cache_dir=cache_dir)
@@ -180,8 +183,9 @@ class NoisyCounting(LrOnly):
                 p.add_(p.grad + noise, alpha=-group["lr"] / group["step"].item())
 
 
-def test_checks_leave_python_state_and_the_random_stream_alone(cache_dir: Any) -> None:
+def test_checks_leave_python_state_and_the_random_stream_alone(cache_dir: Any, monkeypatch: Any) -> None:
     """Each step starts from one random state for both: the check's own draws must not shift the real step's."""
+    monkeypatch.setattr(self_check, "FREE_SECONDS", 1e9)  # every check due runs, however loaded the machine
     eager = NoisyCounting(_params(SHAPES))
     compiled = hocompile.compile_optimizer(NoisyCounting(_params(SHAPES)), cache_dir=cache_dir)
     gen = torch.Generator().manual_seed(1)
