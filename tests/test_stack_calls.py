@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hocompile
-from hocompile.passes import stack_calls
+from hocompile.passes import stack_calls, stack_members
 
 from .helpers import zeropower_via_newtonschulz5
 
@@ -113,6 +113,44 @@ def test_a_stamped_step_stacks_members_instead(cache_dir: Path) -> None:
     compiled.step()
     text = hocompile.explain(compiled)
     assert "stack-members" in text and "stack-calls" not in text
+
+
+@pytest.mark.parametrize("shape, timed", [((256, 512), False), ((128, 256), True)])
+def test_a_stack_the_cost_model_rules_out_is_not_timed(
+    shape: tuple[int, int], timed: bool, monkeypatch: pytest.MonkeyPatch, new_cache_dir: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """Members whose GEMMs dwarf one call's host work (here 10 us, fixed) and run at full rate alone
+    (short side ≥ 256) cannot gain from a stack: stack-members says so without timing a call of
+    theirs. Smaller ones are timed as before. Either way the step is bitwise eager's."""
+    shapes: list[tuple[int, ...]] = []
+
+    def one_call(one: Any, shape: tuple[int, ...], dtype: Any) -> float:
+        shapes.append(shape)
+        return 1e-5 if shape == (stack_members.HOST_PROBE_SIDE,) * 2 else 1e-4
+
+    measured: list[list[int]] = []
+    monkeypatch.setattr(stack_members, "_HOST_SECONDS", {})
+    monkeypatch.setattr(stack_members, "one_call_seconds", one_call)
+    monkeypatch.setattr(stack_members, "measure_stacking", lambda *a: measured.append(a[-1]) or {
+        "loop_s": 1e-3, "stacked_s": 1e-3, "bitwise": True, "stack": max(a[-1])})
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for _ in range(4)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    compiled = hocompile.compile_optimizer(torch.optim.Muon(params, lr=0.02), cache_dir=new_cache_dir(tmp_path))
+    eager = torch.optim.Muon(twins, lr=0.02)
+    for p, q in zip(params, twins):
+        p.grad = q.grad = torch.randn(shape, generator=gen)
+    compiled.step()
+    eager.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, twins))
+    text = hocompile.explain(compiled)
+    if timed:
+        assert measured and shape in shapes, (measured, shapes)
+        assert "a stack of 4 is not faster here" in text, text
+    else:
+        assert not measured and shape not in shapes, (measured, shapes)
+        assert "a stack cannot be 10% faster: one call is ≥" in text and "of host work; not timed" in text, text
 
 
 def test_the_backend_stacks_as_compile_optimizer_traced_whole(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:

@@ -54,6 +54,7 @@ from .stack_members import (
     Budget,
     PlannedCall,
     _threads,
+    far_apart,
     measure_stacking,
     one_call_seconds,
     parse_stacking,
@@ -135,6 +136,8 @@ class StackCalls(Pass):
         found = read_json(path, parse_stacking) if path is not None else None
         if found is None:
             with _disable_current_modes(), torch.no_grad():  # real tensors, even under AOTAutograd's fake mode
+                if apart := far_apart(node, family, planned, self.target, budget):
+                    return Decision(self.name, {}, why=apart)
                 one_s = budget.spend_on(one_call_seconds, planned.one_by_one, tuple(x.shape), x.dtype)
                 cost = stacking_cost(one_s, max(sizes), [*sizes, 1])
                 if not budget.fits(cost):

@@ -53,6 +53,15 @@ ROUNDS = 3
 BUDGET_S = 0.5
 MARGIN = 0.9  # a stack must be 10 % faster than one call per member: closer is noise
 MIN_MEMBERS = 4  # fewer members gain nothing from a stack worth measuring
+# A stack saves at most each call's host work (dispatch, allocation) and what GEMMs this small lose to
+# their size. Where one call's GEMMs (the cost model, at RATE_HEADROOM times the rate this CPU was
+# calibrated at) outweigh its host work FAR_APART times over and its short side is at least
+# SATURATED_SIDE (GEMMs past that run at full rate alone), a stack cannot be MARGIN faster: the pass
+# says so without timing it. GPT-2 small's 768-wide matrices spent 0.35 s of each compile timing one call.
+FAR_APART = 20.0
+SATURATED_SIDE = 256
+RATE_HEADROOM = 4.0  # the 256³ calibration under-reads large GEMMs (EPYC bf16: 332 declared, 734 at 768³)
+HOST_PROBE_SIDE = 32  # the matrix a call's host work is timed on: its GEMMs take microseconds
 
 # Members of a class, by its representative (group, index): what a call of that member stands for.
 Members = tuple[tuple[tuple[int, int], int], ...]
@@ -110,6 +119,8 @@ class StackMembers(Pass):
         key = hashlib.sha256(f"{text};{x.dtype};{k};{threads}".encode()).hexdigest()[:24]
         path = self.cache_dir / f"stack-{key}.json" if self.cache_dir is not None else None
         found = read_json(path, parse_stacking) if path is not None else None
+        if found is None and (apart := far_apart(node, family, planned, self.target, budget)):
+            return Decision(self.name, {}, why=apart)
         if found is None:
             one_s = budget.spend_on(one_call_seconds, planned.one_by_one, tuple(x.shape), x.dtype)
             fits = [size for size in range(k, MIN_MEMBERS - 1, -1) if budget.fits(stacking_cost(one_s, size))]
@@ -134,6 +145,30 @@ class StackMembers(Pass):
             self.name, {"stack": k}, f"{k} members per call", stacked_s, alternatives=(one_by_one,),
             why=f"measured here, bitwise one call per member's ({dtypes.name(x.dtype)}[{x.shape[0]}, {x.shape[1]}])",
         )
+
+
+_HOST_SECONDS: dict[str, float] = {}  # one call's host work, by CPU, planned call and thread count
+
+
+def far_apart(node: fx.Node, family: Any, planned: PlannedCall, target: Target, budget: Budget) -> str:
+    """Why a stack of this call cannot be MARGIN faster than one call per matrix, by the cost model
+    (FAR_APART); "" where only timing can tell. The host work is timed once per process on a
+    HOST_PROBE_SIDE² matrix (well under a millisecond)."""
+    spec = family.spec_of(node)
+    _, short, _ = spec.wide_shape()
+    if short < SATURATED_SIDE:
+        return ""
+    gemm_s = family.cost(spec).matmul_flops / (RATE_HEADROOM * target.throughput(spec.compute_dtype) * 1e9)
+    key = f"{cpu_id()};{planned.without_input()!r};{planned.x.dtype};{planned.threads}"
+    if key not in _HOST_SECONDS:
+        probe = (HOST_PROBE_SIDE, HOST_PROBE_SIDE)
+        _HOST_SECONDS[key] = min(budget.spend_on(one_call_seconds, planned.one_by_one, probe, planned.x.dtype)
+                                 for _ in range(3))
+    host_s = _HOST_SECONDS[key]
+    if gemm_s < FAR_APART * host_s:
+        return ""
+    return (f"a stack cannot be {1 - MARGIN:.0%} faster: one call is ≥{format_seconds(gemm_s)} of GEMMs "
+            f"(cost model) against {format_seconds(host_s)} of host work; not timed")
 
 
 def _owners(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
