@@ -13,7 +13,9 @@ preparation, the grad norm and its all-reduce, zero counting), only the inner st
 Here two copies of Megatron's tiny ``GPTModel`` (2 layers, hidden 64, 4 heads / 2 query groups,
 vocab 64, CPU init) see the same batches of a synthetic next-token task; one is stepped by Megatron's
 optimizer as built, the other by the same optimizer compiled. ``--world 2`` runs two gloo ranks with
-tensor parallelism 2 (``muon_tp_mode="blockwise"``). Each rank prints both losses every 10 steps; rank 0
+tensor parallelism 2 (``--tp-mode``, Megatron's ``muon_tp_mode``: its default ``duplicated`` all-gathers the
+shards, ``distributed`` all-reduces X·Xᵀ; the compiled step issues the same collectives). Each rank
+prints both losses every 10 steps; rank 0
 writes the loss curves to ``--out`` (a PNG where matplotlib is installed, ``pip install -e .[bench]``;
 a CSV beside it always). ``--exact`` turns the Newton–Schulz passes off: every param must then be
 bitwise Megatron's eager (exit code 1 if not). By default NS is fused and planned for this machine: the
@@ -214,7 +216,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--world", type=int, choices=[1, 2], default=1, help="gloo ranks (tensor parallel)")
-    parser.add_argument("--tp-mode", default="blockwise", help="Megatron's muon_tp_mode with --world 2")
+    parser.add_argument("--tp-mode", default="duplicated", choices=["blockwise", "duplicated", "distributed"],
+                        help="Megatron's muon_tp_mode with --world 2 (its default: duplicated)")
     parser.add_argument("--exact", action="store_true", help="NS passes off: bitwise Megatron's eager")
     parser.add_argument("--out", default="megatron_muon.png")
     parser.add_argument("--port", type=int, default=29571)

@@ -48,7 +48,7 @@ __all__ = [
 ]
 from .capture_errors import check_state_substitutable, tracing_error
 from .capture_graph import OutputAction, finish_placeholders, functional_outputs, lift_scalars
-from .collectives import refuse_untraced_collectives, traced_collectives
+from .collectives import refuse_several_groups, refuse_untraced_collectives, traced_collectives
 from .compiled_helpers import holds_compiled_calls, name_compiled_calls, opaque_compiled_helpers, opaque_names
 from .containers import holds_tensors
 from .distributed.sharded import global_fakes, is_dtensor, mark_sharded
@@ -403,6 +403,7 @@ def _capture(
     else:
         raise CaptureError("the step keeps rewriting new Python values on every trace; cannot compile it")
     refuse_untraced_collectives(first.gm, opt)
+    refuse_several_groups(first.gm, opt)
     _refuse_attribute_overlaps(opt, slots, first.gm)
     second = _trace(opt, slots, structural, 1, lifted, view, opaque)
     updates = host_updates(first.changes, second.changes)

@@ -2,18 +2,27 @@
 
 Several Muon implementations all-gather the orthogonalised updates across
 ranks inside ``step()`` (``dist.all_gather``, ``all_gather_into_tensor``),
-even when run on one rank. A fake-tensor trace cannot run a real collective.
-Over a group of one rank every collective is a local copy (or nothing), so that
-is what the trace records, and the compiled step equals eager's: a one-rank
-world, or a one-rank group inside a larger one (Megatron's tensor-parallel group
-at TP 1 in a data-parallel world). Across several ranks the step is refused with
-a clear error until a distributed plan (owner ranks, bucketed collectives) exists:
-a compiled step must never skip a collective.
+even when run on one rank, and Megatron's tensor-parallel Newton–Schulz
+all-gathers the shards (``muon_tp_mode="duplicated"``) or all-reduces X·Xᵀ
+(``"distributed"``) on plain tensors. A fake-tensor trace cannot run a real
+collective, and a compiled step must never drop one:
+
+- over a group of one rank (a one-rank world, or Megatron's TP group at TP 1
+  in a data-parallel world) a collective is a local copy (or nothing), and
+  that is what the trace records;
+- across several ranks, ``all_gather``, ``all_gather_into_tensor`` and
+  ``all_reduce`` (sum, max, min, product) are recorded as the functional
+  collectives torch.compile uses (``_c10d_functional.*`` + ``wait_tensor``),
+  their results written where eager's call writes them. The compiled step
+  issues them in the step's order; every rank compares its sequence before the
+  first step (distributed/check.py). Anything else across ranks, or a step
+  whose collectives span several process groups, is refused naming the call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,11 +50,84 @@ _GROUP_AT = {
 }
 
 
+def _group(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The process group the call names (None: the default group)."""
+    at = _GROUP_AT[name]
+    return kwargs.get("group", args[at] if len(args) > at else None)
+
+
 def _group_size(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The ranks the call spans: its group's size (the default group's where it names none)."""
-    at = _GROUP_AT[name]
-    group = kwargs.get("group", args[at] if len(args) > at else None)
-    return int(torch.distributed.get_world_size(group))
+    return int(torch.distributed.get_world_size(_group(name, args, kwargs)))
+
+
+def _group_name(group: Any) -> str:
+    """The name functional collectives take for ``group`` (None: the default group)."""
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    return str(_resolve_group_name(group if group is not None else torch.distributed.group.WORLD))  # type: ignore[arg-type]
+
+
+def _gathered(tensor: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    """``world`` copies of ``tensor``, rank by rank along a new leading dim: the functional gather."""
+    funcol = torch.ops._c10d_functional
+    flat = funcol.wait_tensor(funcol.all_gather_into_tensor(tensor.contiguous(), world, _group_name(group)))
+    return flat.view(world, *tensor.shape)
+
+
+def _reduce_op(op: Any) -> str:
+    ops = torch.distributed.ReduceOp
+    for known, text in ((ops.SUM, "sum"), (ops.MAX, "max"), (ops.MIN, "min"), (ops.PRODUCT, "product")):
+        if op == known:
+            return text
+    return ""
+
+
+def _all_gather(a: dict[str, Any]) -> None:
+    outputs, tensor = a["tensor_list"], a["tensor"]
+    gathered = _gathered(tensor, len(outputs), a["group"])
+    for rank, out in enumerate(outputs):
+        out.copy_(gathered[rank])
+
+
+def _all_gather_into_tensor(a: dict[str, Any]) -> None:
+    output, tensor = a["output_tensor"], a["input_tensor"]
+    world = output.numel() // max(1, tensor.numel())
+    output.copy_(_gathered(tensor, world, a["group"]).reshape(output.shape))
+
+
+def _all_reduce(a: dict[str, Any]) -> None:
+    funcol = torch.ops._c10d_functional
+    tensor = a["tensor"]
+    tensor.copy_(funcol.wait_tensor(funcol.all_reduce(tensor, _reduce_op(a["op"]), _group_name(a["group"]))))
+
+
+# name -> the call recorded as functional collectives across several ranks, given its bound arguments
+_ACROSS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "all_gather": _all_gather,
+    "all_gather_into_tensor": _all_gather_into_tensor,
+    "_all_gather_base": _all_gather_into_tensor,
+    "all_reduce": _all_reduce,
+}
+
+
+def _across_refusal(name: str, a: dict[str, Any], world: int) -> str:
+    """Why this call across ``world`` ranks is not recorded ('' where it is); ``a``: its bound arguments."""
+    if name not in _ACROSS:
+        return f"hocompile compiles all_gather, all_gather_into_tensor and all_reduce across ranks, not {name}"
+    if name == "all_reduce" and not _reduce_op(a["op"]):
+        return f"its reduction {a['op']} is not one of sum, max, min, product"
+    if name == "all_gather":
+        outputs, tensor = a["tensor_list"], a["tensor"]
+        if not isinstance(tensor, torch.Tensor) or not isinstance(outputs, list) or len(outputs) != world or any(
+            not isinstance(o, torch.Tensor) or o.shape != tensor.shape or o.dtype != tensor.dtype for o in outputs
+        ):
+            return "its output list is not one tensor of the input's shape and dtype per rank"
+    elif name != "all_reduce":
+        output, tensor = a["output_tensor"], a["input_tensor"]
+        if output.dtype != tensor.dtype or output.numel() != world * tensor.numel():
+            return "its output is not the input's dtype and world times its size"
+    return ""
 
 
 class _Done:
@@ -65,7 +147,8 @@ class _Done:
 
 @contextlib.contextmanager
 def traced_collectives() -> Iterator[None]:
-    """Inside: collectives are local copies on one rank, a CaptureError on several."""
+    """Inside: collectives are local copies on one rank and functional collectives across several (the
+    module docstring says which); any other is a CaptureError naming it."""
     dist = torch.distributed
     if not dist.is_available() or not dist.is_initialized():
         yield  # eager would fail the same way on a collective; nothing to patch
@@ -75,12 +158,18 @@ def traced_collectives() -> Iterator[None]:
     def local(name: str) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             world = _group_size(name, args, kwargs)
-            if world != 1:
-                raise CaptureError(
-                    f"the step calls torch.distributed.{name} across {world} ranks; hocompile does not "
-                    "compile collectives across ranks yet (fallback='eager' runs such a step eagerly)"
-                )
-            _ONE_RANK[name](*args, **kwargs)
+            if world == 1:
+                _ONE_RANK[name](*args, **kwargs)
+            else:
+                bound = inspect.signature(saved[name]).bind(*args, **kwargs)
+                bound.apply_defaults()
+                why = _across_refusal(name, bound.arguments, world)
+                if why:
+                    raise CaptureError(
+                        f"the step calls torch.distributed.{name} across {world} ranks: {why} "
+                        "(fallback='eager' runs such a step eagerly)"
+                    )
+                _ACROSS[name](bound.arguments)
             return _Done() if kwargs.get("async_op") else None
 
         return run
@@ -107,3 +196,21 @@ def refuse_untraced_collectives(gm: torch.fx.GraphModule, opt: Any) -> None:
                 "must never drop or replay a collective blindly. Call it as torch.distributed.<name>, use "
                 "torch.distributed._functional_collectives, or run this optimizer eagerly (fallback='eager')"
             )
+
+
+def refuse_several_groups(gm: torch.fx.GraphModule, opt: Any) -> None:
+    """The step's functional collectives span one process group: every rank compares the sequence it
+    issues over that group before the first step (distributed/check.py), which one group makes a
+    single comparison every rank of it joins. Several groups (Megatron's TP and expert-TP groups in
+    one step) are refused, naming them."""
+    names = {
+        str(node.args[-1]) for node in gm.graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional.")
+        and "wait_tensor" not in str(node.target)
+    }
+    if len(names) > 1:
+        raise CaptureError(
+            f"{type(opt).__name__}.step issues collectives over {len(names)} process groups "
+            f"({', '.join(sorted(names))}); hocompile compiles a step's collectives over one group "
+            "(fallback='eager' runs it eagerly)"
+        )

@@ -110,6 +110,10 @@ def main() -> None:
         "split_qkv": bool(inner.split_qkv),
         "counters": compiled.counters.as_dict(),
         "self_checks": sum(e.self_check.checks for e in compiled.history),
+        # the collectives the compiled programs issue (functional: all_gather_into_tensor, all_reduce)
+        "collectives": sorted({line.split("_c10d_functional.")[1].split("(")[0].split(".")[0]
+                               for e in compiled.history for line in e.final_graph.splitlines()
+                               if "_c10d_functional." in line and "wait_tensor" not in line}),
     }
     print(json.dumps(report))
     dist.destroy_process_group()

@@ -3,7 +3,7 @@
 Megatron's tensor-parallel Muon calls its collectives on the TP group; at TP 1 in a data-parallel
 world that group holds one rank, and eager's collective changes nothing. The capture used to judge
 by the world's size and refused such a step; it now judges by the call's group. A collective over
-a group of several ranks is still refused, naming it (test_runtime_robustness.py).
+a group of several ranks is compiled as a functional collective (test_collectives_across_ranks.py).
 """
 
 from __future__ import annotations

@@ -76,6 +76,10 @@ class StackCalls(Pass):
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         if not (self.target.measured and self.target.name == "cpu"):
             return PassResult(gm, False, self.decline(f"{self.target.name}: not this CPU, nothing to time"))
+        if any(str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes):
+            # every rank must issue the same collectives in the same order, and a stack is this rank's timing
+            why = "the step issues collectives: no stack chosen by one rank's timing"
+            return PassResult(gm, False, self.decline(why))
         groups: dict[Any, list[tuple[fx.Node, Any]]] = {}
         for node, family in registered_calls(gm.graph):
             if family.batch is None or family.name != "newton_schulz":

@@ -1,0 +1,111 @@
+"""Collectives a step calls across several ranks are compiled as functional collectives, never dropped.
+
+Megatron's tensor-parallel Muon all-gathers the shards (``duplicated``) or all-reduces X·Xᵀ
+(``distributed``) on plain tensors inside ``step()``; several public Muons all-gather their updates.
+The capture records ``all_gather``, ``all_gather_into_tensor`` and ``all_reduce`` across ranks as
+``_c10d_functional`` ops and writes their results where eager's call writes them (collectives.py).
+Here: two gloo ranks, a step using each form (an ``async_op`` handle too), bitwise eager's over three
+steps; what is not compiled (a broadcast, a reduction outside sum/max/min/product, collectives over
+two process groups) is refused naming it, with nothing written. Megatron's own modes:
+tests/test_megatron.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any
+
+import torch
+
+import hocompile
+
+WORLD = 2
+
+
+class GatherReduce(torch.optim.Optimizer):
+    """Each update all-reduced (sum, async), its sign all-gathered as a list and into one tensor."""
+
+    def __init__(self, params: Any, variant: str = "", other_group: Any = None) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.variant, self.other_group = variant, other_group
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        import torch.distributed as dist
+
+        for p in self.param_groups[0]["params"]:
+            update = p.grad * 0.5
+            dist.all_reduce(update, op=dist.ReduceOp.SUM, async_op=True).wait()
+            pieces = [torch.empty_like(update) for _ in range(WORLD)]
+            dist.all_gather(pieces, update.sign())
+            flat = torch.empty(WORLD * update.numel(), dtype=update.dtype)
+            dist.all_gather_into_tensor(flat, update.reshape(-1))
+            p.add_(pieces[1] + flat[: update.numel()].view_as(p), alpha=-self.param_groups[0]["lr"])
+            if self.variant == "broadcast":
+                dist.broadcast(p, src=0)
+            elif self.variant == "average":
+                dist.all_reduce(p, op=dist.ReduceOp.AVG)
+            elif self.variant == "two groups":
+                dist.all_reduce(update, group=self.other_group)
+
+
+def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=WORLD, rank=rank,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            other = dist.new_group(list(range(WORLD)))  # the same ranks, another group
+            gen = torch.Generator().manual_seed(rank)
+            want = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+            got = [w.clone() for w in want]
+            eager = GatherReduce(want)
+            compiled = hocompile.compile_optimizer(GatherReduce(got), cache_dir=f"{cache_dir}/{rank}",
+                                                   fallback="error")
+            for _ in range(3):
+                for a, b in zip(want, got):
+                    a.grad = torch.randn(4, 3, generator=gen)
+                    b.grad = a.grad.clone()
+                eager.step()
+                compiled.step()
+            same = all(torch.equal(a, b) for a, b in zip(want, got))
+            graph = compiled.history[-1].final_graph
+            ops = sorted({op for op in ("all_reduce", "all_gather_into_tensor") if f"_c10d_functional.{op}" in graph})
+            skipped = compiled.history[-1].self_check.skipped
+            answers.put(("bitwise" if same else "DIFFERS", compiled.counters.compiles, ops, skipped))
+            for variant in ("broadcast", "average", "two groups"):
+                params = [torch.ones(4, 3)]
+                params[0].grad = torch.ones(4, 3)
+                refused = hocompile.compile_optimizer(GatherReduce(params, variant, other),
+                                                      cache_dir=f"{cache_dir}/{rank}", fallback="error")
+                try:
+                    refused.step()
+                    answers.put((variant, "compiled"))
+                except hocompile.CaptureError as exc:
+                    answers.put((variant, str(exc), torch.equal(params[0], torch.ones(4, 3))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # always answer: a regression fails the test instead of hanging it
+        answers.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def test_collectives_across_two_ranks_compile_bitwise_or_are_refused_by_name(tmp_path: Any) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    answers = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_on_rank, args=(port, str(tmp_path), answers), nprocs=WORLD, start_method="spawn")
+    seen = [answers.get() for _ in range(4 * WORLD)]
+    assert not [a for a in seen if a[0] == "error"], seen
+    steps = [a for a in seen if a[0] in ("bitwise", "DIFFERS")]
+    assert steps == [("bitwise", 1, ["all_gather_into_tensor", "all_reduce"],
+                      "it issues collectives: a check on one rank alone would desynchronise the group")] * WORLD
+    refusals = {a[0]: a[1:] for a in seen if a[0] in ("broadcast", "average", "two groups")}
+    assert "torch.distributed.broadcast across 2 ranks" in refusals["broadcast"][0], refusals
+    assert "its reduction" in refusals["average"][0] and "not one of sum" in refusals["average"][0], refusals
+    assert "collectives over 2 process groups" in refusals["two groups"][0], refusals
+    assert all(untouched for _, untouched in refusals.values()), refusals  # nothing written
