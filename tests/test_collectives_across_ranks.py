@@ -5,7 +5,8 @@ Megatron's tensor-parallel Muon all-gathers the shards (``duplicated``) or all-r
 The capture records ``all_gather``, ``all_gather_into_tensor`` and ``all_reduce`` across ranks as
 ``_c10d_functional`` ops and writes their results where eager's call writes them (collectives.py).
 Here: two gloo ranks, a step using each form (an ``async_op`` handle too), bitwise eager's over three
-steps; what is not compiled (a broadcast, a reduction outside sum/max/min/product, collectives over
+steps, self-checked by both ranks together (a plan wrong on one rank only makes both fall back);
+what is not compiled (a broadcast, a reduction outside sum/max/min/product, collectives over
 two process groups) is refused naming it, with nothing written. Megatron's own modes:
 tests/test_megatron.py.
 """
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+import torch.fx as fx
 
 import hocompile
+from hocompile.passes.base import Pass, PassResult
 
 WORLD = 2
 
@@ -50,6 +55,50 @@ class GatherReduce(torch.optim.Optimizer):
                 dist.all_reduce(update, group=self.other_group)
 
 
+@dataclass(frozen=True)
+class PerturbLastAdd(Pass):
+    """A wrong plan after every collective: the step's last addition scaled by 1 + 2^-20."""
+
+    name: ClassVar[str] = "perturb-last-add"
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        node = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor][-1]
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 2.0**-20))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        scaled.meta["val"] = node.meta.get("val")
+        gm.recompile()
+        return PassResult(gm, True, "perturbed the last addition")
+
+
+def _planted_on_rank_one(rank: int, cache_dir: str) -> tuple[Any, ...]:
+    """A wrong addition planted in rank 1's plan only, after the collectives: rank 1's check sees it,
+    rank 0's own step is right, and both fall back together (a rank running eagerly beside a compiled one
+    would issue other collectives). A wrong op before a collective shows on every rank by itself."""
+    from hocompile.runtime import CompiledOptimizer
+    from hocompile.settings import Settings
+    from tests.test_verify import AVX2_LIKE, _wrong
+
+    gen = torch.Generator().manual_seed(10 + rank)
+    want = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    got = [w.clone() for w in want]
+    eager = GatherReduce(want)
+    settings = Settings.resolve(cache_dir=cache_dir, target=AVX2_LIKE)
+    compiled = CompiledOptimizer(GatherReduce(got), settings, _wrong(AVX2_LIKE, PerturbLastAdd())) if rank == 1 \
+        else CompiledOptimizer(GatherReduce(got), settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for a, b in zip(want, got):
+                a.grad = torch.randn(4, 3, generator=gen)
+                b.grad = a.grad.clone()
+            eager.step()
+            compiled.step()
+    same = all(torch.equal(a, b) for a, b in zip(want, got))
+    warned = [str(w.message) for w in caught if issubclass(w.category, hocompile.SelfCheckWarning)]
+    return ("planted", rank, same, compiled.counters.eager_fallbacks, warned[0] if warned else "")
+
+
 def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
     import torch.distributed as dist
 
@@ -73,8 +122,9 @@ def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
             same = all(torch.equal(a, b) for a, b in zip(want, got))
             graph = compiled.history[-1].final_graph
             ops = sorted({op for op in ("all_reduce", "all_gather_into_tensor") if f"_c10d_functional.{op}" in graph})
-            skipped = compiled.history[-1].self_check.skipped
-            answers.put(("bitwise" if same else "DIFFERS", compiled.counters.compiles, ops, skipped))
+            checks = [(e.self_check.checks, e.self_check.skipped) for e in compiled.history]
+            answers.put(("bitwise" if same else "DIFFERS", compiled.counters.compiles, ops, checks))
+            answers.put(_planted_on_rank_one(rank, f"{cache_dir}/{rank}-planted"))
             for variant in ("broadcast", "average", "two groups"):
                 params = [torch.ones(4, 3)]
                 params[0].grad = torch.ones(4, 3)
@@ -99,11 +149,15 @@ def test_collectives_across_two_ranks_compile_bitwise_or_are_refused_by_name(tmp
         port = int(sock.getsockname()[1])
     answers = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_on_rank, args=(port, str(tmp_path), answers), nprocs=WORLD, start_method="spawn")
-    seen = [answers.get() for _ in range(4 * WORLD)]
+    seen = [answers.get() for _ in range(5 * WORLD)]
     assert not [a for a in seen if a[0] == "error"], seen
     steps = [a for a in seen if a[0] in ("bitwise", "DIFFERS")]
-    assert steps == [("bitwise", 1, ["all_gather_into_tensor", "all_reduce"],
-                      "it issues collectives: a check on one rank alone would desynchronise the group")] * WORLD
+    # checked by both ranks together on its runs 1 and 2 (one program: the step keeps no state)
+    assert steps == [("bitwise", 1, ["all_gather_into_tensor", "all_reduce"], [(2, "")])] * WORLD, steps
+    planted = sorted(a[1:] for a in seen if a[0] == "planted")
+    assert [p[:3] for p in planted] == [(0, True, 3), (1, True, 3)], planted  # every step eager's, on both
+    assert "another rank of its process group" in planted[0][3], planted
+    assert "differs where the plan keeps eager's arithmetic" in planted[1][3], planted
     refusals = {a[0]: a[1:] for a in seen if a[0] in ("broadcast", "average", "two groups")}
     assert "torch.distributed.broadcast across 2 ranks" in refusals["broadcast"][0], refusals
     assert "its reduction" in refusals["average"][0] and "not one of sum" in refusals["average"][0], refusals

@@ -59,7 +59,8 @@ def test_the_comparison_sees_the_qkv_split() -> None:
 def test_tensor_parallel_muon_on_two_ranks(mode: str, collective: str | None) -> None:
     """TP 2 over gloo, NS passes off: each muon_tp_mode is bitwise Megatron's eager step over 10 steps,
     its collectives compiled as functional collectives (duplicated: the shards all-gathered;
-    distributed: X·Xᵀ and the norm all-reduced), none dropped (collectives.py)."""
+    distributed: X·Xᵀ and the norm all-reduced), none dropped (collectives.py), and self-checked by
+    both ranks at the same steps (check_ranks.py)."""
     port = _free_port()
     procs = [
         subprocess.Popen([sys.executable, str(SCRIPT), "--world", "2", "--rank", str(rank), "--tp-mode", mode,
@@ -72,5 +73,5 @@ def test_tensor_parallel_muon_on_two_ranks(mode: str, collective: str | None) ->
         report = json.loads(out.strip().splitlines()[-1])
         assert "refused" not in report, report
         assert report["params"] and all(report["params"].values()), report["params"]
-        assert report["counters"]["eager_fallbacks"] == 0
+        assert report["counters"]["eager_fallbacks"] == 0 and report["self_checks"] > 0  # by both ranks together
         assert report["collectives"] == ([collective] if collective else []), report["collectives"]

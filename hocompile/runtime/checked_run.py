@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..capture import unwrapped_step
-from . import self_check
+from . import check_ranks, self_check
 from .entries import CompiledEntry, run_entry
 from .verify import run_step, steps_to_verify
 from .warm import discard_stale
@@ -38,7 +38,11 @@ def run_checked(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any
     if not warm_by_self_check and entry.verification.steps < steps_to_verify(opt, entry):
         run_step(opt, entry, env)  # verify=: stricter, every step of the first N
         return
-    if not settings.self_check or record.skipped or not self_check.check_now(record):
+    if not settings.self_check or record.skipped:
+        _timed_run(opt, entry, env)
+        return
+    group = check_ranks.step_collective_group(entry)  # the step's own collectives: its ranks decide together
+    if not (check_ranks.check_now_agreed(record, group) if group else self_check.check_now(record)):
         _timed_run(opt, entry, env)
         return
     inner = opt.optimizer
@@ -46,7 +50,9 @@ def run_checked(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any
     step_env = opt._host_env(entry.captured) if env is None else env
     # An error of the compiled step on the copies (a LinAlgError on the data, a kernel failing) is raised
     # as the real step would raise it, with nothing written; eager's own errors come back as ``why``.
-    why = self_check.check(inner, entry, settings, lambda view, e: run_entry(view, e, step_env))
+    why = self_check.check(inner, entry, settings, lambda view, e: run_entry(view, e, step_env), group)
+    if group:
+        why = check_ranks.group_verdict(why, group)
     if entry.warm and record.checks <= 1 and (why or record.skipped):
         # Not proven against eager: the record is discarded, this step runs eagerly, the next compiles.
         discard_stale(opt, entry, f"differs from eager on its first step: {why}" if why else

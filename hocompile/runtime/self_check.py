@@ -41,9 +41,12 @@ the two agree and eagerly if not, so a mismatch leaves nothing half-applied.
   spread, never bitwise), and a difference seen so is judged again against eager's own run.
 - **A mismatch** warns (:class:`SelfCheckWarning`, naming the class, the
   tensor and the difference) and that program runs eagerly from then on.
-- **Not checked**: programs issuing collectives or over DTensor shards (a
-  rank that checks alone would desynchronise the group), and CUDA-graph
-  replays (they run on the addresses they captured). explain() says so.
+- **Collectives the step issues itself** (collectives.py) are checked by every
+  rank of their group at the same steps, with the same choices and one verdict
+  (check_ranks.py). **Not checked**: programs whose collectives hocompile
+  planned (``distributed=``) or over DTensor shards (a rank that checks alone
+  would desynchronise the group), and CUDA-graph replays (they run on the
+  addresses they captured). explain() says so.
 
 The views run with the CPU and CUDA random states restored after each, so
 checking does not move a training run's random stream. Cost: a check runs the
@@ -69,6 +72,7 @@ from ..errors import SelfCheckWarning  # noqa: F401  (defined there, re-exported
 from ..graph import InputSlot
 from .check_compare import compare as _compare
 from .check_gemms import HalfGemmsInFp32, fp32_reference_dtypes
+from .check_ranks import any_rank, step_collective_group
 from .check_slices import first_check_slices
 from .check_view import UnfaithfulView, View, ViewResult, same_bits
 from .judgement_modes import Boundaries, Rounding, force_eager, reference_run
@@ -156,7 +160,8 @@ def skip_reason(entry: CompiledEntry, settings: Settings, opt_groups: list[dict[
     assert captured is not None
     if captured.sharded:
         return "its params are DTensor shards: a check on one rank alone would desynchronise the group"
-    if any("c10d" in str(n.target) or "wait_tensor" in str(n.target) for n in captured.gm.graph.nodes):
+    collectives = any("c10d" in str(n.target) or "wait_tensor" in str(n.target) for n in captured.gm.graph.nodes)
+    if collectives and not step_collective_group(entry):  # the step's own are checked by all ranks alike
         return "it issues collectives: a check on one rank alone would desynchronise the group"
     if any(p.device.type == "meta" for g in opt_groups for p in g["params"]):
         return "its params are on the meta device: there are no values to compare"
@@ -170,27 +175,30 @@ def check(
     entry: CompiledEntry,
     settings: Settings,
     run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
+    group: str = "",
 ) -> str:
     """Check ``entry`` against eager on copies of a sample of ``opt``'s params; '' if it agrees, else why not.
 
     ``run(view, entry)`` runs a compiled entry on an optimizer (the view). ``opt`` is left as it was.
+    ``group``: the process group of the step's own collectives, whose ranks all check this step and
+    take every choice inside the check together (check_ranks.py).
     """
     record = entry.self_check
     started = time.perf_counter()
     keep, remapped = _sample(opt, entry, record.checks)
     # A program's first check: huge elementwise members on their leading rows (check_slices.py). Whatever
     # the slice does not settle (a difference, an error on it) is settled by the check on the whole.
-    rows = first_check_slices(opt, entry, keep) if record.checks == 0 else {}
+    rows = first_check_slices(opt, entry, keep) if record.checks == 0 and not group else {}
     outcome: tuple[list[str], str] | str | None = None
     if rows:
         try:
-            outcome = _check_on(View(keep, rows), opt, entry, remapped, settings, run, sliced=True)
+            outcome = _check_on(View(keep, rows), opt, entry, remapped, settings, run, sliced=True, group=group)
         except Exception as exc:  # noqa: BLE001 - the slice cannot stand for the member: checked whole
             log.info("self-check on row slices not possible (%s: %s); checking whole", type(exc).__name__, exc)
         if not isinstance(outcome, tuple) or outcome[0]:
             outcome, rows = None, {}
     if outcome is None:
-        outcome = _check_on(View(keep), opt, entry, remapped, settings, run, sliced=False)
+        outcome = _check_on(View(keep), opt, entry, remapped, settings, run, sliced=False, group=group)
     if isinstance(outcome, str):
         return outcome
     problems, worst = outcome
@@ -224,6 +232,7 @@ def _check_on(
     settings: Settings,
     run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
     sliced: bool,
+    group: str = "",
 ) -> tuple[list[str], str] | str:
     """The compiled step and eager's on ``view``: (problems, the worst planned tensor), or the check's
     answer without comparing ('' not checkable, with why in the record; eager's error). ``sliced``:
@@ -257,12 +266,14 @@ def _check_on(
         with reference_run():  # eager's decompositions: not the step's, for a judgement around this step
             modes = boundaries()
             reference = view.run(opt, step, [*gemms(), *modes])
-            if modes and modes[0].unmatched:  # all or nothing: a half-substituted eager is tighter than allowed
+            unmatched = bool(modes) and modes[0].unmatched
+            if any_rank(unmatched, group) if group else unmatched:  # all or nothing: a half-substituted eager
+                # is tighter than allowed
                 recorded = []
                 reference = view.run(opt, step, gemms())
             probes: list[ViewResult] = []
             differ = _differ(got, reference, planned)
-            if differ and not opted_out:
+            if (any_rank(bool(differ), group) if group else differ) and not opted_out:
                 # Eager's spread, where it is needed: the members whose planned tensors are not eager's bits.
                 # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
                 around = view if entry.stamped is None else view.only(differ, opt)
@@ -274,7 +285,8 @@ def _check_on(
 
     try:
         assert entry.captured is not None
-        slow = fp32_reference_dtypes(entry.captured.gm, _traces_compiled_helpers(entry))
+        # not with collectives: its second judgement would be one rank's choice
+        slow = frozenset() if group else fp32_reference_dtypes(entry.captured.gm, _traces_compiled_helpers(entry))
         outcome: tuple[list[str], str] | None = None
         if slow:
             try:
