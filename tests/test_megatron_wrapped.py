@@ -73,3 +73,30 @@ def test_a_compiled_program_that_differs_falls_back_loudly_through_the_wrapper()
     report = _run("--optimizer", "muon", "--plant")
     assert "SelfCheckWarning" in report["warnings"] and report["eager_fallbacks"] > 0
     assert all(report["params"].values()), report["params"]
+
+
+def test_the_layer_wise_optimizer_at_data_parallelism_two_steps_each_ranks_own_matrices_bitwise() -> None:
+    """``LayerWiseDistributedOptimizer`` on two gloo ranks (tests/megatron_layer_wise.py): each rank's torch
+    optimizers hold the params Megatron assigned it (disjoint, together every param), compiled in place,
+    and over 10 steps each owned param is bitwise Megatron's eager inner step (NS passes off). Megatron's
+    own step around them and its all-gather of uneven sizes do not run on CPU/gloo, eagerly either: the
+    script says why."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    script = SCRIPT.with_name("megatron_layer_wise.py")
+    procs = [subprocess.Popen([sys.executable, str(script), "--rank", str(rank), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=SCRIPT.parent)
+             for rank in range(2)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    owned = [set(r["owned"]) for r in reports]
+    assert owned[0] and owned[1] and not owned[0] & owned[1] and len(owned[0] | owned[1]) == reports[0]["params"]
+    assert any(name.endswith("linear_qkv.weight") for name in owned[0] | owned[1])
+    for report, mine in zip(reports, owned):
+        assert report["wrapper"] == "LayerWiseDistributedOptimizer"
+        assert report["inner"] == ["TensorParallelMuon", "AdamW"] and report["eager_fallbacks"] == 0
+        assert set(report["bitwise"]) == mine and all(report["bitwise"].values()), report["bitwise"]
