@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--rows", default="dense,moe")
     parser.add_argument("--precisions", default="medium,highest", help="muon_fp32_matmul_prec values")
     parser.add_argument("--port", type=int, default=29581)
+    parser.add_argument("--out", default=OUT.name, help="file name under benchmarks/results/")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(args.port))
@@ -163,8 +164,9 @@ def main() -> None:
             line = measure(row, precision, args.steps)
             print(line, flush=True)
             lines.append(line)
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT}")
+    out = OUT.with_name(args.out)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
     dist.destroy_process_group()
 
 
