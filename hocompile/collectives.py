@@ -198,16 +198,22 @@ def refuse_untraced_collectives(gm: torch.fx.GraphModule, opt: Any) -> None:
             )
 
 
+def collective_launches(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The functional collectives ``gm`` issues, in graph order (their ``wait_tensor``\ s left out);
+    each names its process group last."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    return [
+        node for node in gm.graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional.") and node.target is not wait
+    ]
+
+
 def refuse_several_groups(gm: torch.fx.GraphModule, opt: Any) -> None:
     """The step's functional collectives span one process group: every rank compares the sequence it
     issues over that group before the first step (distributed/check.py), which one group makes a
     single comparison every rank of it joins. Several groups (Megatron's TP and expert-TP groups in
     one step) are refused, naming them."""
-    names = {
-        str(node.args[-1]) for node in gm.graph.nodes
-        if node.op == "call_function" and str(node.target).startswith("_c10d_functional.")
-        and "wait_tensor" not in str(node.target)
-    }
+    names = {str(node.args[-1]) for node in collective_launches(gm)}
     if len(names) > 1:
         raise CaptureError(
             f"{type(opt).__name__}.step issues collectives over {len(names)} process groups "

@@ -23,6 +23,7 @@ import torch.fx as fx
 # and another rank's thread (threaded process groups in tests) may be tracing right now.
 from torch.distributed import distributed_c10d as c10d
 
+from ..collectives import collective_launches
 from ..errors import DistributedMismatchError  # noqa: F401  (defined there, re-exported here)
 from .replicated import DIST_PLAN, OwnershipPlan
 
@@ -154,13 +155,10 @@ def _plan_difference(applied: OwnershipPlan, group: Any) -> str:
 def collective_signature(gm: fx.GraphModule) -> tuple[str | None, list[tuple[str, str, tuple[int, ...]]]]:
     """The group and, in issue order, each functional collective the step makes: its op, its
     input's dtype and (where every rank must send the same size) its input's shape."""
-    wait = torch.ops._c10d_functional.wait_tensor.default
     group: str | None = None
     issued: list[tuple[str, str, tuple[int, ...]]] = []
-    for node in gm.graph.nodes:
+    for node in collective_launches(gm):
         name = str(node.target)
-        if node.op != "call_function" or not name.startswith("_c10d_functional.") or node.target is wait:
-            continue
         x = node.args[0] if node.args else None
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         dtype, shape = (str(val.dtype), tuple(val.shape)) if isinstance(val, torch.Tensor) else ("?", ())

@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import dtypes
+from ..collectives import collective_launches
 from ..decisions import DECISION, Alternative, Decision, format_seconds, record
 from ..diskcache import read_json, write_json
 from ..graph import stable_topological_sort
@@ -76,7 +77,7 @@ class StackCalls(Pass):
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         if not (self.target.measured and self.target.name == "cpu"):
             return PassResult(gm, False, self.decline(f"{self.target.name}: not this CPU, nothing to time"))
-        if any(str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes):
+        if collective_launches(gm):
             # every rank must issue the same collectives in the same order, and a stack is this rank's timing
             why = "the step issues collectives: no stack chosen by one rank's timing"
             return PassResult(gm, False, self.decline(why))

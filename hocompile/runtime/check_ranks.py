@@ -21,11 +21,12 @@ their eager step issues no collectives and a check would run the whole step eage
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
 
+from ..collectives import collective_launches
 from ..graph import ORIGIN
 
 if TYPE_CHECKING:
@@ -33,43 +34,46 @@ if TYPE_CHECKING:
     from .self_check import SelfCheck
 
 
-def step_collective_group(entry: CompiledEntry) -> str:
-    """The process group (by name) of the collectives the user's step issues, as the capture recorded
-    them; '' where it issues none, or where a pass planned collectives of its own (``distributed=``,
-    DTensor routes: a pass is their ``ORIGIN``), whose eager step is another program altogether."""
+@dataclass(frozen=True)
+class RankGroup:
+    """The process group of the step's own collectives, and the device its agreements travel on (an
+    NCCL group all-reduces CUDA tensors only: the params' device, as the step's collectives use)."""
+
+    name: str
+    device: torch.device
+
+    def all(self, flag: bool) -> bool:
+        """``flag`` on every rank of the group (each rank calls this at the same point)."""
+        return self._reduce(flag, torch.distributed.ReduceOp.MIN)
+
+    def any(self, flag: bool) -> bool:
+        """``flag`` on some rank of the group (each rank calls this at the same point)."""
+        return self._reduce(flag, torch.distributed.ReduceOp.MAX)
+
+    def _reduce(self, flag: bool, op: Any) -> bool:
+        from torch.distributed import distributed_c10d as c10d
+
+        value = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(value, op=op, group=c10d._resolve_process_group(c10d.GroupName(self.name)))
+        return bool(value.item())
+
+
+def step_collective_group(entry: CompiledEntry, groups: list[dict[str, Any]]) -> RankGroup | None:
+    """The process group of the collectives the user's step issues, as the capture recorded them; None
+    where it issues none, or where a pass planned collectives of its own (``distributed=``, DTensor
+    routes: a pass is their ``ORIGIN``), whose eager step is another program altogether. Asked once per
+    program (the self-check's record keeps it), not per step."""
     captured = entry.captured
     if captured is None or captured.sharded:
-        return ""
-    launches = [n for n in captured.gm.graph.nodes if _launch(n)]
+        return None
+    launches = collective_launches(captured.gm)
     if not launches or any(n.meta.get(ORIGIN, "capture") != "capture" for n in launches):
-        return ""
-    return str(launches[0].args[-1])  # one group: the capture refuses several (collectives.py)
+        return None
+    device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+    return RankGroup(str(launches[0].args[-1]), device)  # one group: the capture refuses several
 
 
-def _launch(node: fx.Node) -> bool:
-    name = str(node.target)
-    return node.op == "call_function" and name.startswith("_c10d_functional.") and "wait_tensor" not in name
-
-
-def _reduce(flag: bool, group: str, op: Any) -> bool:
-    from torch.distributed import distributed_c10d as c10d
-
-    value = torch.tensor([int(flag)], dtype=torch.int64)
-    torch.distributed.all_reduce(value, op=op, group=c10d._resolve_process_group(c10d.GroupName(group)))
-    return bool(value.item())
-
-
-def all_ranks(flag: bool, group: str) -> bool:
-    """``flag`` on every rank of ``group`` (each rank calls this at the same point)."""
-    return _reduce(flag, group, torch.distributed.ReduceOp.MIN)
-
-
-def any_rank(flag: bool, group: str) -> bool:
-    """``flag`` on some rank of ``group`` (each rank calls this at the same point)."""
-    return _reduce(flag, group, torch.distributed.ReduceOp.MAX)
-
-
-def check_now_agreed(record: SelfCheck, group: str) -> bool:
+def check_now_agreed(record: SelfCheck, ranks: RankGroup) -> bool:
     """Whether every rank checks this step: due on the schedule, and within every rank's budget."""
     from .self_check import BUDGET, FREE_SECONDS, due
 
@@ -77,15 +81,16 @@ def check_now_agreed(record: SelfCheck, group: str) -> bool:
         return False
     expected = record.each[-1] * record.whole_over_checked if record.each else 0.0
     within = record.checks == 0 or record.seconds + expected <= BUDGET * record.step_seconds + FREE_SECONDS
-    if all_ranks(within, group):
+    if ranks.all(within):
         return True
     record.postponed += 1  # skipped: the next due step asks again
     return False
 
 
-def group_verdict(why: str, group: str) -> str:
+def group_verdict(why: str, ranks: RankGroup) -> str:
     """The group's verdict: this rank's difference, or that another rank of the group saw one."""
-    if any_rank(bool(why), group) and not why:
-        return (f"another rank of its process group ({group}) saw its step differ from eager's; every rank "
-                "falls back together, since ranks running different programs would issue different collectives")
+    if ranks.any(bool(why)) and not why:
+        return (f"another rank of its process group ({ranks.name}) saw its step differ from eager's; every "
+                "rank falls back together, since ranks running different programs would issue different "
+                "collectives")
     return why

@@ -32,6 +32,7 @@ def run_checked(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any
     settings = opt._settings
     if record.runs == 1:
         record.skipped = self_check.skip_reason(entry, settings, opt.param_groups)
+        record.ranks = check_ranks.step_collective_group(entry, opt.param_groups)
     # A step loaded for a warm start is trusted once its first step agrees with eager: by the self-check
     # where it can check it (sampled, no fp64 references), else by verify's first step (warm.py).
     warm_by_self_check = bool(entry.warm) and settings.self_check and not settings.verify and not record.skipped
@@ -41,8 +42,8 @@ def run_checked(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any
     if not settings.self_check or record.skipped:
         _timed_run(opt, entry, env)
         return
-    group = check_ranks.step_collective_group(entry)  # the step's own collectives: its ranks decide together
-    if not (check_ranks.check_now_agreed(record, group) if group else self_check.check_now(record)):
+    ranks = record.ranks  # the step's own collectives: its ranks decide together
+    if not (check_ranks.check_now_agreed(record, ranks) if ranks else self_check.check_now(record)):
         _timed_run(opt, entry, env)
         return
     inner = opt.optimizer
@@ -50,9 +51,9 @@ def run_checked(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any
     step_env = opt._host_env(entry.captured) if env is None else env
     # An error of the compiled step on the copies (a LinAlgError on the data, a kernel failing) is raised
     # as the real step would raise it, with nothing written; eager's own errors come back as ``why``.
-    why = self_check.check(inner, entry, settings, lambda view, e: run_entry(view, e, step_env), group)
-    if group:
-        why = check_ranks.group_verdict(why, group)
+    why = self_check.check(inner, entry, settings, lambda view, e: run_entry(view, e, step_env), ranks)
+    if ranks:
+        why = check_ranks.group_verdict(why, ranks)
     if entry.warm and record.checks <= 1 and (why or record.skipped):
         # Not proven against eager: the record is discarded, this step runs eagerly, the next compiles.
         discard_stale(opt, entry, f"differs from eager on its first step: {why}" if why else

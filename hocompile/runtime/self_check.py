@@ -72,7 +72,7 @@ from ..errors import SelfCheckWarning  # noqa: F401  (defined there, re-exported
 from ..graph import InputSlot
 from .check_compare import compare as _compare
 from .check_gemms import HalfGemmsInFp32, fp32_reference_dtypes
-from .check_ranks import any_rank, step_collective_group
+from .check_ranks import RankGroup, step_collective_group
 from .check_slices import first_check_slices
 from .check_view import UnfaithfulView, View, ViewResult, same_bits
 from .judgement_modes import Boundaries, Rounding, force_eager, reference_run
@@ -129,6 +129,7 @@ class SelfCheck:
     pending: bool = False  # a check came due and waits for the budget
     postponed: int = 0  # checks that came due beyond the budget and ran later
     members: int = 0  # members the last check ran (of ``of``)
+    ranks: RankGroup | None = None  # the step's own collectives' group: checked by its ranks together
     sliced: int = 0  # ... of which on their leading rows only (a first check: check_slices.py)
     whole_over_checked: float = 1.0  # the last check's members' elements / the elements it ran on
     of: int = 0
@@ -161,7 +162,7 @@ def skip_reason(entry: CompiledEntry, settings: Settings, opt_groups: list[dict[
     if captured.sharded:
         return "its params are DTensor shards: a check on one rank alone would desynchronise the group"
     collectives = any("c10d" in str(n.target) or "wait_tensor" in str(n.target) for n in captured.gm.graph.nodes)
-    if collectives and not step_collective_group(entry):  # the step's own are checked by all ranks alike
+    if collectives and not step_collective_group(entry, opt_groups):  # the step's own: all ranks check alike
         return "it issues collectives: a check on one rank alone would desynchronise the group"
     if any(p.device.type == "meta" for g in opt_groups for p in g["params"]):
         return "its params are on the meta device: there are no values to compare"
@@ -175,12 +176,12 @@ def check(
     entry: CompiledEntry,
     settings: Settings,
     run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
-    group: str = "",
+    ranks: RankGroup | None = None,
 ) -> str:
     """Check ``entry`` against eager on copies of a sample of ``opt``'s params; '' if it agrees, else why not.
 
     ``run(view, entry)`` runs a compiled entry on an optimizer (the view). ``opt`` is left as it was.
-    ``group``: the process group of the step's own collectives, whose ranks all check this step and
+    ``ranks``: the process group of the step's own collectives, whose ranks all check this step and
     take every choice inside the check together (check_ranks.py).
     """
     record = entry.self_check
@@ -188,17 +189,17 @@ def check(
     keep, remapped = _sample(opt, entry, record.checks)
     # A program's first check: huge elementwise members on their leading rows (check_slices.py). Whatever
     # the slice does not settle (a difference, an error on it) is settled by the check on the whole.
-    rows = first_check_slices(opt, entry, keep) if record.checks == 0 and not group else {}
+    rows = first_check_slices(opt, entry, keep) if record.checks == 0 and ranks is None else {}
     outcome: tuple[list[str], str] | str | None = None
     if rows:
         try:
-            outcome = _check_on(View(keep, rows), opt, entry, remapped, settings, run, sliced=True, group=group)
+            outcome = _check_on(View(keep, rows), opt, entry, remapped, settings, run, sliced=True, ranks=ranks)
         except Exception as exc:  # noqa: BLE001 - the slice cannot stand for the member: checked whole
             log.info("self-check on row slices not possible (%s: %s); checking whole", type(exc).__name__, exc)
         if not isinstance(outcome, tuple) or outcome[0]:
             outcome, rows = None, {}
     if outcome is None:
-        outcome = _check_on(View(keep), opt, entry, remapped, settings, run, sliced=False, group=group)
+        outcome = _check_on(View(keep), opt, entry, remapped, settings, run, sliced=False, ranks=ranks)
     if isinstance(outcome, str):
         return outcome
     problems, worst = outcome
@@ -232,7 +233,7 @@ def _check_on(
     settings: Settings,
     run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
     sliced: bool,
-    group: str = "",
+    ranks: RankGroup | None = None,
 ) -> tuple[list[str], str] | str:
     """The compiled step and eager's on ``view``: (problems, the worst planned tensor), or the check's
     answer without comparing ('' not checkable, with why in the record; eager's error). ``sliced``:
@@ -267,13 +268,13 @@ def _check_on(
             modes = boundaries()
             reference = view.run(opt, step, [*gemms(), *modes])
             unmatched = bool(modes) and modes[0].unmatched
-            if any_rank(unmatched, group) if group else unmatched:  # all or nothing: a half-substituted eager
+            if ranks.any(unmatched) if ranks else unmatched:  # all or nothing: a half-substituted eager
                 # is tighter than allowed
                 recorded = []
                 reference = view.run(opt, step, gemms())
             probes: list[ViewResult] = []
             differ = _differ(got, reference, planned)
-            if (any_rank(bool(differ), group) if group else differ) and not opted_out:
+            if (ranks.any(bool(differ)) if ranks else differ) and not opted_out:
                 # Eager's spread, where it is needed: the members whose planned tensors are not eager's bits.
                 # Op by op (a torch.compile'd helper by its Python code), or Rounding would not reach its ops.
                 around = view if entry.stamped is None else view.only(differ, opt)
@@ -286,7 +287,7 @@ def _check_on(
     try:
         assert entry.captured is not None
         # not with collectives: its second judgement would be one rank's choice
-        slow = frozenset() if group else fp32_reference_dtypes(entry.captured.gm, _traces_compiled_helpers(entry))
+        slow = frozenset() if ranks else fp32_reference_dtypes(entry.captured.gm, _traces_compiled_helpers(entry))
         outcome: tuple[list[str], str] | None = None
         if slow:
             try:
