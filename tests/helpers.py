@@ -4,19 +4,40 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import typing_extensions
 
 import hocompile
-from hocompile.passes import default_pipeline
+from hocompile.passes import Pass, PassResult, default_pipeline
 from hocompile.passes.stack_calls import StackCalls
 from hocompile.passes.stack_members import StackMembers
 
 # emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12).
 if not hasattr(typing, "override"):
     typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class PerturbLastAdd(Pass):
+    """A wrong plan where it keeps eager's arithmetic: the graph's last addition scaled by 1 + 2^-20 (after
+    every collective and reduction of a step that ends with its update)."""
+
+    name: ClassVar[str] = "perturb-last-add"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+        if not adds:
+            return PassResult(gm, False, "no add")
+        node = adds[-1]
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 2.0**-20))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        scaled.meta["val"] = node.meta.get("val")
+        gm.recompile()
+        return PassResult(gm, True, "perturbed the last addition")
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:

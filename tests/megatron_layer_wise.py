@@ -35,25 +35,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def build() -> tuple[torch.nn.Module, typing.Any]:
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(0)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=64, use_cpu_initialization=True)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                     max_sequence_length=16)
-    model.ddp_config = DistributedDataParallelConfig()  # type: ignore[assignment]
-    built = get_megatron_optimizer(
-        OptimizerConfig(optimizer="muon", lr=0.01, clip_grad=0.0, use_layer_wise_distributed_optimizer=True), [model]
-    )
-    return model, built
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, default=0)
@@ -65,13 +46,13 @@ def main() -> None:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)  # TP 1, PP 1: data parallelism 2
-    from megatron_wrapped import megatron_on_cpu
+    from megatron_wrapped import build, megatron_on_cpu  # this script runs from tests/
 
     megatron_on_cpu()
     import hocompile
 
-    eager_model, eager = build()
-    model, wrapper = build()
+    eager_model, eager = build("muon", use_layer_wise_distributed_optimizer=True)
+    model, wrapper = build("muon", use_layer_wise_distributed_optimizer=True)
     compiled = hocompile.compile_optimizer(wrapper, disable_passes=["fuse-newton-schulz"], fallback="error")
     names = {id(p): n for n, p in model.named_parameters()}
     pairs = list(zip(eager_model.parameters(), model.parameters()))

@@ -47,7 +47,9 @@ def megatron_on_cpu() -> None:
     shims()
 
 
-def build(name: str) -> tuple[torch.nn.Module, typing.Any]:
+def build(name: str, **options: typing.Any) -> tuple[torch.nn.Module, typing.Any]:
+    """Megatron's tiny GPTModel and ``get_megatron_optimizer``'s wrappers for it (``options``: more
+    ``OptimizerConfig`` fields)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -63,7 +65,7 @@ def build(name: str) -> tuple[torch.nn.Module, typing.Any]:
     model.ddp_config = DistributedDataParallelConfig()  # type: ignore[assignment]
     # clip_grad=0: Megatron's clipping asserts CUDA grads (clip_grads.py: param.grad.type() ==
     # 'torch.cuda.FloatTensor'); the grad norm it computes and all-reduces every step still runs.
-    built = get_megatron_optimizer(OptimizerConfig(optimizer=name, lr=0.01, clip_grad=0.0), [model])
+    built = get_megatron_optimizer(OptimizerConfig(optimizer=name, lr=0.01, clip_grad=0.0, **options), [model])
     return model, built
 
 
@@ -71,27 +73,9 @@ def plant_a_wrong_plan() -> None:
     """Every compiled program gets one more pass: the last in-place or out-of-place add of the graph
     scaled by 1 + 2^-20, a wrong elementwise op where the plan keeps eager's arithmetic (the
     self-check must find it and fall back, through the wrapper)."""
-    from dataclasses import dataclass
-    from typing import ClassVar
+    from helpers import PerturbLastAdd  # tests/helpers.py: this script runs from tests/
 
     import hocompile.runtime.compile_step as compile_step
-    from hocompile.passes import Pass, PassResult
-
-    @dataclass(frozen=True)
-    class PerturbLastAdd(Pass):
-        name: ClassVar[str] = "perturb-last-add"
-
-        def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
-            adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
-            if not adds:
-                return PassResult(gm, False, "no add")
-            node = adds[-1]
-            with gm.graph.inserting_after(node):
-                scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 2.0**-20))
-            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
-            scaled.meta["val"] = node.meta.get("val")
-            gm.recompile()
-            return PassResult(gm, True, "perturbed one add")
 
     default = compile_step.default_pipeline
 

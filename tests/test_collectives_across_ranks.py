@@ -14,16 +14,15 @@ tests/test_megatron.py.
 from __future__ import annotations
 
 import datetime
-import socket
 import warnings
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-import torch.fx as fx
 
 import hocompile
-from hocompile.passes.base import Pass, PassResult
+
+from .dist_helpers import spawned
+from .helpers import PerturbLastAdd
 
 WORLD = 2
 
@@ -55,20 +54,22 @@ class GatherReduce(torch.optim.Optimizer):
                 dist.all_reduce(update, group=self.other_group)
 
 
-@dataclass(frozen=True)
-class PerturbLastAdd(Pass):
-    """A wrong plan after every collective: the step's last addition scaled by 1 + 2^-20."""
+def _twins(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Generator]:
+    """Two copies of two params, and the generator of their grads."""
+    gen = torch.Generator().manual_seed(seed)
+    want = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    return want, [w.clone() for w in want], gen
 
-    name: ClassVar[str] = "perturb-last-add"
 
-    def __call__(self, gm: fx.GraphModule) -> PassResult:
-        node = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor][-1]
-        with gm.graph.inserting_after(node):
-            scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 2.0**-20))
-        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
-        scaled.meta["val"] = node.meta.get("val")
-        gm.recompile()
-        return PassResult(gm, True, "perturbed the last addition")
+def _steps(eager: Any, compiled: Any, want: list[torch.Tensor], got: list[torch.Tensor], gen: Any) -> bool:
+    """Three steps of both on the same grads; whether the params end bitwise alike."""
+    for _ in range(3):
+        for a, b in zip(want, got):
+            a.grad = torch.randn(4, 3, generator=gen)
+            b.grad = a.grad.clone()
+        eager.step()
+        compiled.step()
+    return all(torch.equal(a, b) for a, b in zip(want, got))
 
 
 def _planted_on_rank_one(rank: int, cache_dir: str) -> tuple[Any, ...]:
@@ -79,22 +80,13 @@ def _planted_on_rank_one(rank: int, cache_dir: str) -> tuple[Any, ...]:
     from hocompile.settings import Settings
     from tests.test_verify import AVX2_LIKE, _wrong
 
-    gen = torch.Generator().manual_seed(10 + rank)
-    want = [torch.randn(4, 3, generator=gen) for _ in range(2)]
-    got = [w.clone() for w in want]
-    eager = GatherReduce(want)
+    want, got, gen = _twins(10 + rank)
     settings = Settings.resolve(cache_dir=cache_dir, target=AVX2_LIKE)
     compiled = CompiledOptimizer(GatherReduce(got), settings, _wrong(AVX2_LIKE, PerturbLastAdd())) if rank == 1 \
         else CompiledOptimizer(GatherReduce(got), settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
-            for a, b in zip(want, got):
-                a.grad = torch.randn(4, 3, generator=gen)
-                b.grad = a.grad.clone()
-            eager.step()
-            compiled.step()
-    same = all(torch.equal(a, b) for a, b in zip(want, got))
+        same = _steps(GatherReduce(want), compiled, want, got, gen)
     warned = [str(w.message) for w in caught if issubclass(w.category, hocompile.SelfCheckWarning)]
     return ("planted", rank, same, compiled.counters.eager_fallbacks, warned[0] if warned else "")
 
@@ -107,19 +99,10 @@ def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
                                 timeout=datetime.timedelta(seconds=60))
         try:
             other = dist.new_group(list(range(WORLD)))  # the same ranks, another group
-            gen = torch.Generator().manual_seed(rank)
-            want = [torch.randn(4, 3, generator=gen) for _ in range(2)]
-            got = [w.clone() for w in want]
-            eager = GatherReduce(want)
+            want, got, gen = _twins(rank)
             compiled = hocompile.compile_optimizer(GatherReduce(got), cache_dir=f"{cache_dir}/{rank}",
                                                    fallback="error")
-            for _ in range(3):
-                for a, b in zip(want, got):
-                    a.grad = torch.randn(4, 3, generator=gen)
-                    b.grad = a.grad.clone()
-                eager.step()
-                compiled.step()
-            same = all(torch.equal(a, b) for a, b in zip(want, got))
+            same = _steps(GatherReduce(want), compiled, want, got, gen)
             graph = compiled.history[-1].final_graph
             ops = sorted({op for op in ("all_reduce", "all_gather_into_tensor") if f"_c10d_functional.{op}" in graph})
             checks = [(e.self_check.checks, e.self_check.skipped) for e in compiled.history]
@@ -142,14 +125,7 @@ def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
 
 
 def test_collectives_across_two_ranks_compile_bitwise_or_are_refused_by_name(tmp_path: Any) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    answers = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_on_rank, args=(port, str(tmp_path), answers), nprocs=WORLD, start_method="spawn")
-    seen = [answers.get() for _ in range(5 * WORLD)]
+    seen = spawned(_on_rank, WORLD, str(tmp_path), answers=5)
     assert not [a for a in seen if a[0] == "error"], seen
     steps = [a for a in seen if a[0] in ("bitwise", "DIFFERS")]
     # checked by both ranks together on its runs 1 and 2 (one program: the step keeps no state)

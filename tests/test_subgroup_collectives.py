@@ -9,12 +9,13 @@ a group of several ranks is compiled as a functional collective (test_collective
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import Any
 
 import torch
 
 import hocompile
+
+from .dist_helpers import spawned
 
 WORLD = 2
 
@@ -68,13 +69,5 @@ def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
 
 
 def test_a_one_rank_group_in_a_two_rank_world_compiles_bitwise(tmp_path: Any) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    context = mp.get_context("spawn")
-    answers = context.SimpleQueue()
-    mp.start_processes(_on_rank, args=(port, str(tmp_path), answers), nprocs=WORLD, start_method="spawn")
-    seen = sorted(answers.get() for _ in range(WORLD))
+    seen = sorted(spawned(_on_rank, WORLD, str(tmp_path)))
     assert seen == [f"rank {r}: bitwise, compiles 1" for r in range(WORLD)], seen
