@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,13 +101,15 @@ def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
         try:
             other = dist.new_group(list(range(WORLD)))  # the same ranks, another group
             want, got, gen = _twins(rank)
+            # warm_start=True: a step with its own collectives still writes no record (its ranks compile together)
             compiled = hocompile.compile_optimizer(GatherReduce(got), cache_dir=f"{cache_dir}/{rank}",
-                                                   fallback="error")
+                                                   fallback="error", warm_start=True)
             same = _steps(GatherReduce(want), compiled, want, got, gen)
+            records = sorted(p.name for p in Path(f"{cache_dir}/{rank}").rglob("warm-*.pkl"))
             graph = compiled.history[-1].final_graph
             ops = sorted({op for op in ("all_reduce", "all_gather_into_tensor") if f"_c10d_functional.{op}" in graph})
             checks = [(e.self_check.checks, e.self_check.skipped) for e in compiled.history]
-            answers.put(("bitwise" if same else "DIFFERS", compiled.counters.compiles, ops, checks))
+            answers.put(("bitwise" if same else "DIFFERS", compiled.counters.compiles, ops, checks, records))
             answers.put(_planted_on_rank_one(rank, f"{cache_dir}/{rank}-planted"))
             for variant in ("broadcast", "average", "two groups"):
                 params = [torch.ones(4, 3)]
@@ -129,7 +132,7 @@ def test_collectives_across_two_ranks_compile_bitwise_or_are_refused_by_name(tmp
     assert not [a for a in seen if a[0] == "error"], seen
     steps = [a for a in seen if a[0] in ("bitwise", "DIFFERS")]
     # checked by both ranks together on its runs 1 and 2 (one program: the step keeps no state)
-    assert steps == [("bitwise", 1, ["all_gather_into_tensor", "all_reduce"], [(2, "")])] * WORLD, steps
+    assert steps == [("bitwise", 1, ["all_gather_into_tensor", "all_reduce"], [(2, "")], [])] * WORLD, steps
     planted = sorted(a[1:] for a in seen if a[0] == "planted")
     assert [p[:3] for p in planted] == [(0, True, 3), (1, True, 3)], planted  # every step eager's, on both
     assert "another rank of its process group" in planted[0][3], planted

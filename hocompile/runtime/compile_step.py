@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from ..capture import CapturedStep, capture, host_env
 from ..classes.stamp import Stamp, stamp_capture
+from ..collectives import collective_launches
 from ..diskcache import DiskCache
 from ..distributed.check import check_collectives_agree, check_replicated, planning_basis, rank0_target
 from ..distributed.replicated import resolve_group
@@ -221,7 +222,9 @@ def _compile_step(
         step.target = target
         if settings.debug >= 2:
             log.debug("hocompile final graph:\n%s", step.final_graph)
-        record = warm.encode_step(step, key) if key else None  # before lowering rewrites the graphs
+        # Before lowering rewrites the graphs. Not for a step issuing collectives: its ranks compile together
+        # (check_collectives_agree below), and a rank loading a record would skip that while another compiles.
+        record = warm.encode_step(step, key) if key and not collective_launches(step.gm) else None
         if lower:
             _lower(step, opt, settings, pipeline, backend, device, dump_dir)
             if record is not None:
