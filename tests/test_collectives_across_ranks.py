@@ -109,6 +109,7 @@ def _on_rank(rank: int, port: int, cache_dir: str, answers: Any) -> None:
             graph = compiled.history[-1].final_graph
             ops = sorted({op for op in ("all_reduce", "all_gather_into_tensor") if f"_c10d_functional.{op}" in graph})
             checks = [(e.self_check.checks, e.self_check.skipped) for e in compiled.history]
+            assert "checked against eager by every rank of process group" in hocompile.explain(compiled)
             answers.put(("bitwise" if same else "DIFFERS", compiled.counters.compiles, ops, checks, records))
             answers.put(_planted_on_rank_one(rank, f"{cache_dir}/{rank}-planted"))
             for variant in ("broadcast", "average", "two groups"):

@@ -146,6 +146,7 @@ class SelfCheck:
             return "self-check: not run yet"
         each = self.seconds / self.checks
         head = f"self-check: {self.checks} step(s) checked against eager "
+        head += f"by every rank of process group {self.ranks.name} together " if self.ranks else ""
         head += f"({self.members} of {self.of} params on the last"
         head += f", {self.sliced} of them on leading rows, " if self.sliced else ", "
         head += f"{each * 1e3:.1f} ms per check"
