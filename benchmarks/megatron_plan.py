@@ -31,6 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.structures import ParamSpec, specs_for  # noqa: E402
@@ -56,14 +58,11 @@ def local_matrices(specs: Sequence[ParamSpec]) -> list[tuple[ParamSpec, int | No
     """One TP/EP rank's Muon matrices: the TP-split ones (full shape, split dim), the routed experts of
     its EP slice, and the rest whole."""
     out: list[tuple[ParamSpec, int | None]] = []
-    experts_seen: dict[str, int] = {}
     for spec in specs:
         if spec.optimizer != "muon":
             continue
         if spec.kind == "expert":
-            layer = spec.name.split(".experts.")[0]
             index = int(spec.name.split(".experts.")[1].split(".")[0])
-            experts_seen[layer] = max(experts_seen.get(layer, 0), index + 1)
             if index % EP:  # EP rank 0's slice: every EP-th expert (the same count as a contiguous slice)
                 continue
         out.append((spec, split_of(spec)))
@@ -73,6 +72,7 @@ def local_matrices(specs: Sequence[ParamSpec]) -> list[tuple[ParamSpec, int | No
 def plan_rows(model: str) -> list[str]:
     target = gpu_target("sm90")
     link = LINKS["sm90"]
+    rate = target.planning_throughput(torch.bfloat16) * 1e9
     mats = local_matrices(specs_for(model, scale=1))
     rows = []
     for mode in ("duplicated", "distributed", "blockwise"):
@@ -81,13 +81,11 @@ def plan_rows(model: str) -> list[str]:
             m, n = spec.shape
             transpose = m > n  # NS works on the short side
             if dim is None:
-                seconds += ns_flops_as_given(spec.shape, STEPS, transpose) / (target.planning_throughput(
-                    _bf16()) * 1e9)
+                seconds += ns_flops_as_given(spec.shape, STEPS, transpose) / rate
                 continue
             if mode == "blockwise":
                 shard = (m // TP, n) if dim == 0 else (m, n // TP)
-                seconds += ns_flops_as_given(shard, STEPS, shard[0] > shard[1]) / (
-                    target.planning_throughput(_bf16()) * 1e9)
+                seconds += ns_flops_as_given(shard, STEPS, shard[0] > shard[1]) / rate
                 continue
             choice = choose_tp_mode(spec.shape, dim, TP, STEPS, target, transpose=transpose, link=link,
                                     requested=mode)
@@ -101,8 +99,7 @@ def plan_rows(model: str) -> list[str]:
 
 def layer_wise_rows(model: str) -> list[str]:
     """DP 64 over one TP/EP rank's local matrices (TP-split ones at their shard's shape)."""
-    target = gpu_target("sm90")
-    rate = target.planning_throughput(_bf16()) * 1e9
+    rate = gpu_target("sm90").planning_throughput(torch.bfloat16) * 1e9
     items = []
     for k, (spec, dim) in enumerate(local_matrices(specs_for(model, scale=1))):
         m, n = spec.shape
@@ -114,12 +111,6 @@ def layer_wise_rows(model: str) -> list[str]:
         f"| {model} | {len(items)} | {format_seconds(ideal)} | {format_seconds(max(megatron.loads) / rate)} "
         f"({megatron.imbalance():.2f}x) | {format_seconds(max(ours.loads) / rate)} ({ours.imbalance():.2f}x) |"
     ]
-
-
-def _bf16() -> object:
-    import torch
-
-    return torch.bfloat16
 
 
 def main() -> None:
