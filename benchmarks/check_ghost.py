@@ -43,7 +43,7 @@ def _cache_dir(calibration: str | None) -> str:
 
 def child(seed: int, self_check: bool, calibration: str | None) -> str:
     import hocompile
-    from hocompile.runtime import check_slices
+    from hocompile.runtime.check import slices as check_slices
 
     warnings.simplefilter("ignore")
     check_slices.SLICE_FROM = 1 << 40  # the first check on the whole member, as before slicing

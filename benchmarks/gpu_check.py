@@ -62,7 +62,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 import hocompile  # noqa: E402
-from hocompile.newton_schulz import flops  # noqa: E402
+from hocompile.ops.newton_schulz_math import flops  # noqa: E402
 from hocompile.targets import device_arch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

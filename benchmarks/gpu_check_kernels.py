@@ -41,7 +41,7 @@ from hocompile.lowering.triton.ns_kernels import (
     generate_sym_poly,
 )
 from hocompile.lowering.triton.op_groups import allocations
-from hocompile.newton_schulz import newton_schulz, reference_fp64
+from hocompile.ops.newton_schulz_math import newton_schulz, reference_fp64
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 KJ = (3.4445, -4.775, 2.0315)

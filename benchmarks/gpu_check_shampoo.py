@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import hocompile
-from hocompile.runtime.judgement import Verdict, judge_step
+from hocompile.runtime.check.judgement import Verdict, judge_step
 
 SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
 SF_SMOKE_SHAPES = [(16, 24), (24, 16)]  # a tall/wide pair: factors of both sides, a stacked factor_update
@@ -49,9 +49,9 @@ def _kernel_node(fn: Callable[..., Any], args: list[torch.Tensor], op: Any) -> A
 
 def _kernel_check(ctx: Any, out: dict[str, Any], shapes: list[tuple[int, int]], timed: Callable[..., Any]) -> None:
     """factor_update (left and right) and two_sided (SOAP's projection) per shape: error and time vs torch."""
-    from hocompile.families.factor_update import FACTOR_UPDATE
-    from hocompile.families.two_sided import TWO_SIDED
     from hocompile.lowering.triton import call_group, module
+    from hocompile.ops.factor_update import FACTOR_UPDATE
+    from hocompile.ops.two_sided import TWO_SIDED
     from hocompile.targets import device_arch
 
     dev = torch.device(ctx.device)

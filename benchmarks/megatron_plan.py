@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.structures import ParamSpec, specs_for  # noqa: E402
-from hocompile.decisions import format_seconds  # noqa: E402
 from hocompile.distributed.plan import Item, assign_by_numel, assign_owners  # noqa: E402
 from hocompile.distributed.tp_plan import LINKS, choose_tp_mode, ns_flops_as_given  # noqa: E402
+from hocompile.ir.decisions import format_seconds  # noqa: E402
 from hocompile.targets import gpu_target  # noqa: E402
 
 TP, EP, DP, STEPS = 8, 8, 64, 5

@@ -226,9 +226,9 @@ def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> 
     from torch.optim._muon import _zeropower_via_newtonschulz
 
     import hocompile
-    from hocompile.newton_schulz import newton_schulz, reference_fp64
+    from hocompile.ops.newton_schulz_math import newton_schulz, reference_fp64
     from hocompile.passes.choose_algorithm import decide, measured_plan
-    from hocompile.passes.measure_ns import MeasureSession, wall_timer
+    from hocompile.precision.measure_ns import MeasureSession, wall_timer
     from hocompile.settings import Settings
     from hocompile.targets import resolve_target
 

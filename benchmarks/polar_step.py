@@ -19,7 +19,7 @@ is the max-abs param difference after the first step, relative to the
 largest param change eager made.
 
 Then the polar factor of the stacked 3 × 256×1024 group alone: ATen's
-batched call vs one matrix per thread (hocompile.families.polar._per_matrix);
+batched call vs one matrix per thread (hocompile.ops.polar._per_matrix);
 and each method's error against the fp64 SVD factor by condition number.
 """
 
@@ -115,8 +115,8 @@ def step_table(rounds: int, warmup: int, clock: Callable[[], float]) -> list[str
 
 
 def pool_table(rounds: int) -> list[str]:
-    from hocompile.families.per_matrix import per_matrix
-    from hocompile.families.polar import polar_gram_eigh, polar_svd
+    from hocompile.ops.per_matrix import per_matrix
+    from hocompile.ops.polar import polar_gram_eigh, polar_svd
 
     wide = torch.randn(3, 256, 1024, generator=torch.Generator().manual_seed(1))
     tall = wide.mT.contiguous()  # svd stacks tall (the faster orientation), gram_eigh wide
@@ -146,7 +146,7 @@ def pool_table(rounds: int) -> list[str]:
 
 def error_table() -> list[str]:
     """Max-abs error of each method against the fp64 SVD factor, singular values log-spaced 1 … 1/κ."""
-    from hocompile.families.polar import gram_eigh_error_bound, polar_gram_eigh, polar_svd
+    from hocompile.ops.polar import gram_eigh_error_bound, polar_gram_eigh, polar_svd
 
     lines = ["| shape | κ | svd | gram_eigh | bound eps·(4 + κ²/4) |", "|---|---:|---:|---:|---:|"]
     for m, n in ((256, 1024), (512, 512)):

@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 import hocompile  # noqa: E402
 from benchmarks.structures import build  # noqa: E402
-from hocompile.runtime import self_check  # noqa: E402
-from hocompile.runtime.self_check import CHECK_EVERY, SelfCheck, check_now, due  # noqa: E402
+from hocompile.runtime.check import self_check  # noqa: E402
+from hocompile.runtime.check.self_check import CHECK_EVERY, SelfCheck, check_now, due  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "self_check.md"
 

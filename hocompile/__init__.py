@@ -30,9 +30,9 @@ from .errors import (
     VerificationError,
 )
 from .runtime import CompiledOptimizer
-from .runtime.explain import explain
-from .runtime.judgement import Verdict, judge_step
-from .runtime.plan import plan
+from .runtime.check.judgement import Verdict, judge_step
+from .runtime.report.explain import explain
+from .runtime.report.plan import plan
 from .runtime.wrappers import compile_wrapped, wrapped_slots
 from .settings import Backend, Distributed, Fallback, Precision, Settings
 from .targets import Target

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .capture.host_scalars import STRUCTURAL_KEYS
 from .diskcache import default_cache_dir
-from .host_scalars import STRUCTURAL_KEYS
 from .precision.calibrate import parse_schedule_key
 from .precision.emulate import FORMATS
 from .targets import Target
@@ -83,7 +83,7 @@ class Distributed(_Choice):
 
 
 class Precision(_Choice):
-    """Newton–Schulz compute precision: "auto" or a name of hocompile.dtypes."""
+    """Newton–Schulz compute precision: "auto" or a name of hocompile.ir.dtypes."""
 
     AUTO = "auto"
     FP32 = "fp32"

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from . import dtypes
 from .diskcache import read_json, write_json
+from .ir import dtypes
 
-# The GEMM dtypes a CPU is measured in (names of hocompile.dtypes; rate tables are keyed by them).
+# The GEMM dtypes a CPU is measured in (names of hocompile.ir.dtypes; rate tables are keyed by them).
 _MEASURED = ("fp32", "bf16", "fp16")
 _CALIBRATION_VERSION = 5
 

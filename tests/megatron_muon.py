@@ -77,7 +77,7 @@ def main() -> None:
     model, inner = build(bool(args.split_qkv), args.tp_mode)
     names = {id(p): n for n, p in model.named_parameters()}
     if args.lose_attributes:
-        from hocompile import stand_ins
+        from hocompile.capture import stand_ins
 
         stand_ins.install = lambda stand_in, real, where, traced: {}
     compiled = hocompile.compile_optimizer(inner, disable_passes=["fuse-newton-schulz"], fallback="error",

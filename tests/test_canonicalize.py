@@ -22,8 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hocompile.capture import capture
-from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
 from hocompile.passes import Canonicalize
 
 from .helpers import EXACT, Pair, make_params

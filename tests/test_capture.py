@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hocompile.capture import capture
-from hocompile.graph import InputSlot, verify
-from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.scalars import HyperParam
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.scalars import HyperParam
+from hocompile.capture.trace import capture
+from hocompile.ir.graph import InputSlot, verify
 
 from .helpers import UserMuon, emerging_muon, make_params
 

@@ -18,8 +18,9 @@ import torch
 
 import hocompile
 from hocompile import SelfCheckWarning
-from hocompile.runtime import check_gemms, self_check
-from hocompile.runtime.check_gemms import HalfGemmsInFp32
+from hocompile.runtime.check import gemms as check_gemms
+from hocompile.runtime.check import self_check
+from hocompile.runtime.check.gemms import HalfGemmsInFp32
 
 from .helpers import zeropower_via_newtonschulz5
 from .test_self_check import SHAPES, _params, _planted, _run, _state_bitwise

@@ -236,7 +236,7 @@ def test_the_lowered_step_calls_a_helper_in_place_on_contiguous_tensors_and_on_c
     assert not compiled_params[1].is_contiguous()
     eager = CompiledLion(eager_params)
     compiled = hocompile.compile_optimizer(CompiledLion(compiled_params), cache_dir=cache_dir)
-    from hocompile import compiled_calls
+    from hocompile.capture import compiled_calls
 
     clones: list[str] = []
     run = compiled_calls._run
@@ -273,7 +273,7 @@ def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place()
 
     import torch.fx as fx
 
-    from hocompile import compiled_calls as ch
+    from hocompile.capture import compiled_calls as ch
     from hocompile.lowering.helper_calls import call_helpers
 
     for read_after, view_beside in ((False, False), (True, False), (False, True)):
@@ -310,7 +310,7 @@ def test_a_calls_arguments_are_rebuilt_as_pytree_would() -> None:
     pytree gives, for tuples, lists, dicts, None, ints in eager, constants; other containers use pytree."""
     import collections
 
-    from hocompile import compiled_calls as ch
+    from hocompile.capture import compiled_calls as ch
 
     pair = collections.namedtuple("pair", "a b")
     t0, t1 = torch.ones(2), torch.zeros(3)

@@ -12,9 +12,10 @@ import torch
 import torch.fx as fx
 
 import hocompile
-from hocompile import decisions as decisions_module
-from hocompile.capture import capture
-from hocompile.decisions import (
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir import decisions as decisions_module
+from hocompile.ir.decisions import (
     DECISION,
     EAGER_DTYPE,
     Alternative,
@@ -25,8 +26,7 @@ from hocompile.decisions import (
     eager_dtype,
     record,
 )
-from hocompile.graph import decisions, print_graph
-from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.ir.graph import decisions, print_graph
 from hocompile.lowering.aten import cache_key
 from hocompile.lowering.reinplace import REINPLACED
 from hocompile.passes import default_pipeline, run_pipeline

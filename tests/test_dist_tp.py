@@ -22,8 +22,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
-from hocompile import newton_schulz as ns
-from hocompile.decisions import decisions_of
 from hocompile.distributed.tensor_parallel import (
     BlockwiseWarning,
     NSArgs,
@@ -39,6 +37,8 @@ from hocompile.distributed.tp_plan import (
     ns_flops_as_given,
     rewrite_ns_node,
 )
+from hocompile.ir.decisions import decisions_of
+from hocompile.ops import newton_schulz_math as ns
 from hocompile.targets import CPU_DESCRIPTORS, gpu_target
 
 KJ = [(3.4445, -4.7750, 2.0315)] * 5

@@ -9,8 +9,11 @@ import torch
 import torch.fx as fx
 
 import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers on Python 3.11)
-from hocompile.capture import capture
-from hocompile.families.eigenbasis import (
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir.graph import print_graph
+from hocompile.ir.registry import check_schema, family_of
+from hocompile.ops.eigenbasis import (
     POWER_QR,
     RAYLEIGH_ORDER,
     PowerQRSpec,
@@ -19,11 +22,8 @@ from hocompile.families.eigenbasis import (
     qr_flops,
     rayleigh_order,
 )
-from hocompile.graph import print_graph
-from hocompile.host_scalars import STRUCTURAL_KEYS
 from hocompile.passes import BatchByShape, Canonicalize, Pass, run_pipeline
 from hocompile.passes.fuse_eigenbasis import FuseEigenbasis
-from hocompile.registry import check_schema, family_of
 from hocompile.runtime import CompiledOptimizer
 from hocompile.settings import Settings
 from tests.test_expect_graphs import AVX2_LIKE, BATCHING

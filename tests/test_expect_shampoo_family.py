@@ -26,9 +26,9 @@ import torch
 from expecttest import TestCase
 
 import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers on Python 3.11)
-from hocompile.capture import capture
-from hocompile.graph import print_graph
-from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir.graph import print_graph
 from hocompile.optimizers import Shampoo
 from hocompile.passes import PassRecord, default_pipeline, run_pipeline
 from hocompile.targets import Target

@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hocompile.families.factor_update import FACTOR_UPDATE, FactorUpdateSpec, factor_update_flops
-from hocompile.families.inverse_root import INVERSE_ROOT, InverseRootSpec, inverse_root_flops
-from hocompile.families.two_sided import TWO_SIDED, TwoSidedSpec, two_sided_flops
-from hocompile.graph import print_graph
+from hocompile.ir.graph import print_graph
+from hocompile.ops.factor_update import FACTOR_UPDATE, FactorUpdateSpec, factor_update_flops
+from hocompile.ops.inverse_root import INVERSE_ROOT, InverseRootSpec, inverse_root_flops
+from hocompile.ops.two_sided import TWO_SIDED, TwoSidedSpec, two_sided_flops
 from hocompile.optimizers.matrix_roots import inverse_root_eigh, inverse_root_newton
 from hocompile.passes import BatchByShape, Canonicalize, FuseFactorUpdate, FuseInverseRoot, FuseTwoSided
 from hocompile.targets import Target

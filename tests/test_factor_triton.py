@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hocompile.families.factor_update import FACTOR_UPDATE, FactorUpdateSpec
-from hocompile.families.two_sided import TWO_SIDED, TwoSidedSpec
 from hocompile.lowering.triton import module
 from hocompile.lowering.triton.call_group import standalone_text
+from hocompile.ops.factor_update import FACTOR_UPDATE, FactorUpdateSpec
+from hocompile.ops.two_sided import TWO_SIDED, TwoSidedSpec
 from hocompile.passes import BatchByShape, Canonicalize, FuseFactorUpdate, FuseTwoSided
 from hocompile.targets import Target
 
@@ -58,7 +58,7 @@ def _run(node: fx.Node, fields: list[str], values: dict[str, torch.Tensor], tmp_
 
 
 def _family(node: fx.Node) -> Any:
-    from hocompile.registry import family_of
+    from hocompile.ir.registry import family_of
 
     family = family_of(node)
     assert family is not None

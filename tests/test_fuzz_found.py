@@ -24,7 +24,7 @@ import torch
 
 import hocompile
 from hocompile import CaptureError
-from hocompile.inplace_foreach import on_copies
+from hocompile.capture.inplace_foreach import on_copies
 
 from .helpers import EVERY_PASS_OFF
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from hocompile.runtime.judgement import Rounding, Verdict, judge_step
+from hocompile.runtime.check.judgement import Rounding, Verdict, judge_step
 
 typing_extensions = pytest.importorskip("typing_extensions")
 if not hasattr(typing, "override"):  # emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12)
@@ -209,7 +209,7 @@ def test_a_recorder_around_a_compiled_step_hears_only_the_candidates_decompositi
     under OPENBLAS_CORETYPE=Haswell was judged 0.81 of an update off against a spread of 0. The candidate's
     calls are the real run's and, under the self-check, its run on the sample's copies."""
     import hocompile
-    from hocompile.runtime.judgement_modes import Boundaries
+    from hocompile.runtime.check.judgement_modes import Boundaries
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(24, 16))
@@ -230,7 +230,7 @@ def test_substituted_decompositions_keep_eagers_own_layout(batch: tuple[int, ...
     eigenvectors are column-major). A row-major copy of the same values sent the next matmul down
     another BLAS path: on an AMD EPYC, eager "differed from itself" by 1e-6 and the self-check failed
     hocompile's Shampoo with every pass off."""
-    from hocompile.runtime.judgement_modes import Boundaries
+    from hocompile.runtime.check.judgement_modes import Boundaries
 
     g = torch.randn(*batch, 12, 12, generator=torch.Generator().manual_seed(0))
     a = g @ g.mT + torch.eye(12)

@@ -1,13 +1,16 @@
 """Layers point forward: leaf -> numerics -> capture -> passes -> lowering -> runtime -> public API.
 
 Imports inside functions count too: a lazy import that breaks the order is a
-backward edge hidden from the reader, not a cure for one. The choices behind
-the names below: newton_schulz and precision/ are numerics that ops, targets
-and passes all use (optimizers/ are eager optimizers built on them); targets
-(what the machine is good at) is read by the passes; settings is the
-runtime's configuration; distributed/ (owner plans, the graph rewrites around
-collectives, TP Newton–Schulz, DTensor layouts the capture reads) sits with capture,
-below the passes that use it. A new top-level module must be given a layer here.
+backward edge hidden from the reader, not a cure for one. A folder sits in one
+layer, except where LAYERS names one of its modules on its own (the longest
+name wins): ir/'s vocabulary (dtypes, decisions, the op registry) is a leaf
+every layer uses, while ir/graph.py prints the op families and so sits with
+them; ops/newton_schulz_math.py is the maths the precision planner shares with
+the op. targets (what the machine is good at) is numerics: the timing of NS
+candidates (precision/measure_ns.py) reads it. distributed/ (owner plans, the
+graph rewrites around collectives, TP Newton–Schulz, DTensor layouts the
+capture reads) sits with capture, below the passes that use it. A new
+top-level module must be given a layer here.
 """
 
 from __future__ import annotations
@@ -26,13 +29,9 @@ from hocompile.settings import PRECISIONS, Backend, Fallback, Precision, Setting
 
 PACKAGE = Path(hocompile.__file__).parent
 LAYERS = {
-    "leaf": ("errors", "dtypes", "diskcache", "registry", "decisions", "scalars"),
-    "numerics": ("newton_schulz", "precision", "optimizers"),
-    "capture": ("host_scalars", "host_state", "capture", "capture_graph", "snapshot", "collectives", "graph",
-                "ops", "ops_schema", "families", "targets", "distributed", "classes", "graph_codec",
-                "executed_files", "fused_kernels", "capture_errors", "containers", "capture_containers",
-                "capture_slots", "host_reads", "compiled_helpers", "compiled_calls", "stand_ins",
-                "matmul_precision", "inplace_foreach"),
+    "leaf": ("errors", "diskcache", "ir.dtypes", "ir.decisions", "ir.registry", "capture.scalars"),
+    "numerics": ("ops.newton_schulz_math", "precision", "optimizers", "targets"),
+    "capture": ("capture", "ir", "ops", "distributed", "classes"),
     "passes": ("passes",),
     "lowering": ("lowering",),
     "runtime": ("runtime", "settings", "dynamo"),
@@ -41,8 +40,9 @@ ORDER = [*LAYERS, "top"]
 
 
 def _layer(module: str) -> str:
-    head = module.split(".")[0]
-    return next((name for name, heads in LAYERS.items() if head in heads), "?" if module else "top")
+    """The layer of the longest name in LAYERS that is ``module`` or a package above it."""
+    named = [(len(n), layer) for layer, names in LAYERS.items() for n in names if f"{module}.".startswith(f"{n}.")]
+    return max(named)[1] if named else ("?" if module else "top")
 
 
 def _module(path: Path) -> str:

@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from hocompile import targets
-from hocompile.capture import capture
-from hocompile.decisions import decision_of
+from hocompile.capture.trace import capture
 from hocompile.diskcache import CacheWarning
-from hocompile.newton_schulz import newton_schulz, reference_fp64
+from hocompile.ir.decisions import decision_of
+from hocompile.ops.newton_schulz_math import newton_schulz, reference_fp64
 from hocompile.passes import Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, choose_algorithm, run_pipeline
 from hocompile.passes.choose_algorithm import Plan, decide, measured_plan, thread_twins
 from hocompile.passes.choose_precision import plan_schedule
-from hocompile.passes.measure_ns import SPREAD_LIMIT, UNITS, MeasureSession, Program, cache_path, unit_counts
 from hocompile.precision.coefficients import coefficients
 from hocompile.precision.gram_half import half_gram_verdict
+from hocompile.precision.measure_ns import SPREAD_LIMIT, UNITS, MeasureSession, Program, cache_path, unit_counts
 from hocompile.precision.spectra import SPECTRA, spectrum
 from hocompile.settings import STRUCTURAL_KEYS
 from hocompile.targets import Target
@@ -137,7 +137,7 @@ def test_a_twin_that_rounds_differently_is_never_chosen(monkeypatch: pytest.Monk
 def test_the_bitwise_check_is_real() -> None:
     """measure_ns.same_bits runs both programs: equal for a program and itself, and it names the
     first unit where an emulated and a native product differ."""
-    from hocompile.passes.measure_ns import same_bits
+    from hocompile.precision.measure_ns import same_bits
 
     shape, abc = (1, 64, 256), KJ[0]
     assert same_bits(Program(torch.float32), Program(torch.float32), shape, abc) == ""
@@ -164,7 +164,7 @@ def test_budget_stops_after_one_timed_run(two_threads: None) -> None:
 
 
 def test_unit_counts_match_flops() -> None:
-    from hocompile.newton_schulz import flops
+    from hocompile.ops.newton_schulz_math import flops
 
     m, n = 256, 1024
     for algorithm, restarts in (("standard", ()), ("gram", (2,))):
@@ -280,7 +280,7 @@ def test_symmetric_row_blocks_keep_the_error_of_dense_products(dtype: torch.dtyp
 
 
 def test_symmetric_row_blocks_are_symmetric_and_batched() -> None:
-    from hocompile.newton_schulz import Arith
+    from hocompile.ops.newton_schulz_math import Arith
 
     x = torch.randn(3, 200, 300)
     for blocks in (2, 3, 4):

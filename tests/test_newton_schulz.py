@@ -12,10 +12,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hocompile
-from hocompile.capture import capture
-from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.newton_schulz import flops, newton_schulz, reference_fp64
-from hocompile.ops_schema import NewtonSchulzSpec
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ops.newton_schulz_math import flops, newton_schulz, reference_fp64
+from hocompile.ops.newton_schulz_spec import NewtonSchulzSpec
 from hocompile.passes import BatchByShape, Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, run_pipeline
 from hocompile.passes.choose_algorithm import decide
 from hocompile.targets import Target
@@ -462,7 +462,7 @@ def test_max_batch_setting_caps_groups() -> None:
 @pytest.mark.parametrize("eps_mode", ["clamp", "add"])
 def test_native_half_normalisation_rounds_like_normalize(eps_mode: str) -> None:
     """The native bf16 path normalises without an fp32 copy, with normalize()'s roundings (bit for bit)."""
-    from hocompile.newton_schulz import _normalize_native, normalize
+    from hocompile.ops.newton_schulz_math import _normalize_native, normalize
 
     gen = torch.Generator().manual_seed(0)
     for scale in (1e-6, 1e-2, 1.0, 1e3):

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import hocompile
-from hocompile.capture import capture
-from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.ops_schema import NewtonSchulzSpec
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ops.newton_schulz_spec import NewtonSchulzSpec
 from hocompile.passes import Canonicalize, FuseNewtonSchulz, run_pipeline
 
 from .helpers import EXACT, Pair, emerging_coefficients, make_params

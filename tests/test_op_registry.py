@@ -16,13 +16,13 @@ import torch
 import torch.fx as fx
 
 import hocompile
-from hocompile.capture import capture
-from hocompile.graph import graph_stats, print_graph
-from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.ops_schema import NEWTON_SCHULZ
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir.graph import graph_stats, print_graph
+from hocompile.ir.registry import Input, OpSpec, family_of, register, registered_calls, unregister
+from hocompile.ops.newton_schulz_spec import NEWTON_SCHULZ
 from hocompile.passes import BatchByShape, run_pipeline
-from hocompile.registry import Input, OpSpec, family_of, register, registered_calls, unregister
-from hocompile.runtime.reference_step import _Float64
+from hocompile.runtime.check.reference_step import _Float64
 from tests.test_expect_graphs import BATCHING
 from tests.toy_family import TOY, ToyRowNormalizeSpec, ToyRowNormSGD
 

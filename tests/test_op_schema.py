@@ -9,11 +9,18 @@ import pytest
 import torch
 import torch.fx as fx
 
-from hocompile import ops
-from hocompile.capture import capture
-from hocompile.graph import print_graph
-from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.ops_schema import NEWTON_SCHULZ, NewtonSchulzSpec, check_schema, newton_schulz_op, schema_mismatches
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir.graph import print_graph
+from hocompile.ir.registry import family_of
+from hocompile.ops import newton_schulz as ops
+from hocompile.ops.newton_schulz_spec import (
+    NEWTON_SCHULZ,
+    NewtonSchulzSpec,
+    check_schema,
+    newton_schulz_op,
+    schema_mismatches,
+)
 from hocompile.passes import (
     BatchByShape,
     Canonicalize,
@@ -22,7 +29,6 @@ from hocompile.passes import (
     FuseNewtonSchulz,
     run_pipeline,
 )
-from hocompile.registry import family_of
 from tests.test_expect_graphs import AVX2_LIKE, BATCHING
 
 

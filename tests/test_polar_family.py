@@ -11,13 +11,13 @@ import torch
 import torch.fx as fx
 
 import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers)
-from hocompile.capture import capture
-from hocompile.families.polar import POLAR, PolarSpec, gram_eigh_error_bound, polar_gram_eigh, polar_svd
-from hocompile.graph import print_graph
-from hocompile.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir.graph import print_graph
+from hocompile.ir.registry import family_of, schema_mismatches
+from hocompile.ops.polar import POLAR, PolarSpec, gram_eigh_error_bound, polar_gram_eigh, polar_svd
 from hocompile.passes import BatchByShape, Canonicalize, Pass, run_pipeline
 from hocompile.passes.fuse_polar import FusePolar
-from hocompile.registry import family_of, schema_mismatches
 from hocompile.runtime import CompiledOptimizer
 from hocompile.settings import Settings
 

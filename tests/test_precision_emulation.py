@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hocompile.newton_schulz import newton_schulz, reference_fp64
+from hocompile.ops.newton_schulz_math import newton_schulz, reference_fp64
 from hocompile.precision import FORMATS, emulated_matmul, load_calibration, newton_schulz_scheduled, quantize, spectrum
 from hocompile.precision import calibrate as cal
 from hocompile.precision.coefficients import TABLES, coefficients

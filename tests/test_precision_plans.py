@@ -16,12 +16,12 @@ import torch.fx as fx
 from expecttest import TestCase
 
 import hocompile
-from hocompile.capture import capture
-from hocompile.decisions import Decision, decided, decision_of
-from hocompile.graph import describe_value
-from hocompile.host_scalars import STRUCTURAL_KEYS
-from hocompile.newton_schulz import newton_schulz, reference_fp64
-from hocompile.ops_schema import NewtonSchulzSpec
+from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.trace import capture
+from hocompile.ir.decisions import Decision, decided, decision_of
+from hocompile.ir.graph import describe_value
+from hocompile.ops.newton_schulz_math import newton_schulz, reference_fp64
+from hocompile.ops.newton_schulz_spec import NewtonSchulzSpec
 from hocompile.passes import default_pipeline, run_pipeline
 from hocompile.passes.choose_precision import PER_CASE_TOLERANCE, plan_schedule
 from hocompile.precision.calibrate import CALIBRATED, EPS, calibration_inputs, restarts_for, schedule_key

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import hocompile
+from hocompile.ir.registry import register_lowering
 from hocompile.lowering.triton.code import TL_DTYPE, CodeWriter, KernelSource
 from hocompile.lowering.triton.op_groups import GroupCode, GroupNames, OpGroup, Workspace
-from hocompile.registry import register_lowering
 
 from .toy_family import TOY, ToyRowNormSGD
 
@@ -122,7 +122,7 @@ def test_toy_family_without_a_triton_emitter_is_an_aten_call(cache_dir: Path) ->
 
 def test_feeding_kernels_store_only_what_someone_reads(toy_emitter: None) -> None:
     """The identity regions feeding the toy groups store into the workspace and nothing else."""
-    from hocompile.capture import capture
+    from hocompile.capture.trace import capture
     from hocompile.lowering.triton.wrapper import generate_wrapper
     from hocompile.passes import default_pipeline, run_pipeline
     from hocompile.settings import Settings

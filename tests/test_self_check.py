@@ -18,8 +18,9 @@ import torch
 
 import hocompile
 from hocompile import SelfCheckWarning
-from hocompile.runtime import CompiledOptimizer, self_check
-from hocompile.runtime.self_check import BUDGET, CHECK_EVERY, FREE_SECONDS, SelfCheck, check_now, due
+from hocompile.runtime import CompiledOptimizer
+from hocompile.runtime.check import self_check
+from hocompile.runtime.check.self_check import BUDGET, CHECK_EVERY, FREE_SECONDS, SelfCheck, check_now, due
 from hocompile.settings import Settings
 
 from .test_trust_snippets import LrOnly, ReadsAttributes
@@ -140,7 +141,7 @@ def _tagged(seed: int) -> list[torch.nn.Parameter]:
 
 def test_a_lost_attribute_is_caught(cache_dir: Any, monkeypatch: Any) -> None:
     """Stand-ins that lose the params' Python attributes (the class of bug issue 30 found in Megatron)."""
-    from hocompile import stand_ins
+    from hocompile.capture import stand_ins
 
     monkeypatch.setattr(stand_ins, "install", lambda stand_in, real, where, traced: {})
     eager = ReadsAttributes(_tagged(0))  # Megatron-like: a param tagged is_qkv is normalised per third
@@ -209,7 +210,7 @@ BIG = [(2304, 1824), (64,), (24, 40)]  # 4.2M elements: past check_slices.SLICE_
 
 def _views(monkeypatch: Any) -> list[dict[Any, slice]]:
     """The rows of every view a check builds, in order (a spy on check_view.View)."""
-    from hocompile.runtime import check_view
+    from hocompile.runtime.check import view as check_view
 
     views: list[dict[Any, slice]] = []
     real_init = check_view.View.__init__
@@ -278,8 +279,8 @@ def test_a_program_that_is_not_elementwise_is_checked_whole(cache_dir: Any, monk
     """Muon's NS is not elementwise: a member over the slicing size is checked whole on the first check
     too. The size is lowered to this member's: a 2304x1824 Muon (eager's NS in bf16) took 340 s on a
     CPU without bf16 units, to show the same."""
-    from hocompile.runtime import check_slices
-    from hocompile.runtime.check_slices import elementwise
+    from hocompile.runtime.check import slices as check_slices
+    from hocompile.runtime.check.slices import elementwise
 
     shape = (96, 64)
     monkeypatch.setattr(check_slices, "SLICE_FROM", 96 * 64)
@@ -301,8 +302,8 @@ def test_a_check_that_fails_before_its_probes_run_leaves_torch_compile_alone(cac
     the stance when built, not when entered: a probe built but never run (an error while copying the
     params) once left every later ``torch.compile`` in the process silently eager (CI, a later test
     file's backend never called). The stance is set only while a probe runs."""
-    from hocompile.runtime import check_view
-    from hocompile.runtime.judgement_modes import Rounding
+    from hocompile.runtime.check import view as check_view
+    from hocompile.runtime.check.judgement_modes import Rounding
 
     run, failed = check_view.View.run, []
 
@@ -336,7 +337,7 @@ def test_checks_in_two_threads_leave_the_stance_as_they_found_it() -> None:
     (test_dist_ddp.py's expert tests, once)."""
     import threading
 
-    from hocompile.runtime.judgement_modes import force_eager
+    from hocompile.runtime.check.judgement_modes import force_eager
 
     def stance() -> str:
         return torch._dynamo.eval_frame._stance.stance  # type: ignore[attr-defined]

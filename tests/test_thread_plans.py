@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hocompile.capture import capture
+from hocompile.capture.trace import capture
 from hocompile.lowering.aten import _on_threads, call_kernels_directly, planned_threads
 from hocompile.passes import Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, choose_algorithm, run_pipeline
 from hocompile.passes.choose_algorithm import MAX_ONE_THREAD_WORK, Plan, decide, measured_plan, thread_twins
-from hocompile.passes.measure_ns import MAX_REPS, UNITS, Candidate, MeasureSession, Program, intra_op_threads
+from hocompile.precision.measure_ns import MAX_REPS, UNITS, Candidate, MeasureSession, Program, intra_op_threads
 from hocompile.settings import STRUCTURAL_KEYS
 from hocompile.targets import Target
 
@@ -86,7 +86,7 @@ def test_within_noise_keeps_all_threads(two_threads: None) -> None:
 def test_small_units_are_timed_over_several_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """A unit that takes 10 us per call is repeated MAX_REPS times per sample (one call is at the
     mercy of a scheduler tick), and the sample is the time per call."""
-    import hocompile.passes.measure_ns as measure_ns
+    import hocompile.precision.measure_ns as measure_ns
 
     calls = {"n": 0}
 

@@ -214,7 +214,7 @@ class TestPointwiseKernelGolden(TestCase):
         # The region before Newton–Schulz in torch.optim.Muon's steady-state
         # step on one 4x6 matrix: momentum lerp, nesterov lerp, the cast and
         # stacked store into the NS workspace, the norm partials.
-        from hocompile.capture import capture
+        from hocompile.capture.trace import capture
         from hocompile.lowering.triton.op_groups import Workspace, find_op_groups
         from hocompile.lowering.triton.pointwise import generate_pointwise, region_spec
         from hocompile.lowering.triton.regions import find_regions

@@ -40,7 +40,7 @@ from hocompile.lowering.triton.ns_kernels import (
 )
 from hocompile.lowering.triton.op_groups import allocations
 from hocompile.lowering.triton.tiles import MATMUL_TILES
-from hocompile.newton_schulz import _round, newton_schulz, reference_fp64
+from hocompile.ops.newton_schulz_math import _round, newton_schulz, reference_fp64
 
 from .helpers import emerging_coefficients
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import hocompile
-from hocompile.newton_schulz import newton_schulz
+from hocompile.ops.newton_schulz_math import newton_schulz
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors in the interpreter")

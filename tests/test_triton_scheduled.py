@@ -23,7 +23,7 @@ from hocompile.lowering.triton import module
 from hocompile.lowering.triton.code import CodeWriter, KernelSource
 from hocompile.lowering.triton.ns_scheduled import check_schedule, emit_newton_schulz_scheduled, schedule_formats
 from hocompile.lowering.triton.op_groups import allocations
-from hocompile.newton_schulz import reference_fp64
+from hocompile.ops.newton_schulz_math import reference_fp64
 from hocompile.precision.calibrate import parse_schedule_key
 from hocompile.precision.schedule_ns import newton_schulz_scheduled
 
@@ -150,7 +150,7 @@ def test_muon_with_fp8_schedule_through_triton_matches_aten(cache_dir: Path) -> 
     times lr * scale, per step.
     """
     import hocompile
-    from hocompile.newton_schulz import reference_fp64 as fp64
+    from hocompile.ops.newton_schulz_math import reference_fp64 as fp64
 
     from .test_triton_step import TinyMLP, _train
 

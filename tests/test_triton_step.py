@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import hocompile
-from hocompile.capture import capture
+from hocompile.capture.trace import capture
 from hocompile.lowering.triton.wrapper import generate_wrapper
-from hocompile.newton_schulz import reference_fp64
+from hocompile.ops.newton_schulz_math import reference_fp64
 from hocompile.passes import default_pipeline, run_pipeline
 from hocompile.settings import Settings
 from hocompile.targets import gpu_target

@@ -49,7 +49,7 @@ class MuonAdamW(torch.optim.Optimizer):
 def mixed_step_wrapper() -> str:
     """The generated wrapper (sm90, not run) of MuonAdamW's steady-state step: two 16x32 and one 32x16
     matrix (one Newton–Schulz group of 3, the tall one joining transposed) and a bias of 32."""
-    from hocompile.capture import capture
+    from hocompile.capture.trace import capture
     from hocompile.lowering.triton.wrapper import generate_wrapper
     from hocompile.passes import default_pipeline, run_pipeline
     from hocompile.settings import Settings

@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 
 import hocompile
-from hocompile.decisions import decided, decision_of
-from hocompile.ops_schema import NewtonSchulzSpec
+from hocompile.ir.decisions import decided, decision_of
+from hocompile.ops.newton_schulz_spec import NewtonSchulzSpec
 from hocompile.passes import Pass, PassResult, default_pipeline
 from hocompile.runtime import CompiledOptimizer
-from hocompile.runtime import verify as verify_module
+from hocompile.runtime.check import verify as verify_module
 from hocompile.settings import Settings
 from hocompile.targets import Target
 

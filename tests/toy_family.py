@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hocompile.registry import BatchRule, Cost, Input, OpFamily, OpSpec, Scalar, register
+from hocompile.ir.registry import BatchRule, Cost, Input, OpFamily, OpSpec, Scalar, register
 
 
 @torch.library.custom_op("hocompile::toy_row_normalize", mutates_args=())

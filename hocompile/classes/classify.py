@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .. import dtypes
-from ..host_state import HostSlot
-from ..stand_ins import frozen_attributes, tensor_attributes
+from ..capture.host_state import HostSlot
+from ..capture.stand_ins import frozen_attributes, tensor_attributes
+from ..ir import dtypes
 
 Layout = tuple[Any, ...]
 

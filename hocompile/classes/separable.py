@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture_graph import OutputAction
-from ..graph import ORIGIN, PER_PARAM, ROLE, InputSlot
-from ..scalars import Expr
+from ..capture.finish import OutputAction
+from ..capture.scalars import Expr
+from ..ir.graph import ORIGIN, PER_PARAM, ROLE, InputSlot
 
 MemberId = tuple[int, int]  # (group, index into the group's params)
 

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture import CapturedStep, TraceView, capture, host_env
-from ..capture_containers import containers_held
+from ..capture.container_trace import containers_held
+from ..capture.host_state import HostSlot
+from ..capture.scalars import Guard
+from ..capture.trace import CapturedStep, TraceView, capture, host_env
 from ..distributed.sharded import is_dtensor
-from ..graph import is_fallible
-from ..host_state import HostSlot
-from ..scalars import Guard
+from ..ir.graph import is_fallible
 from .classify import ParamClass, classify, shared_storage
 from .separable import (
     GLOBAL,
@@ -213,8 +213,8 @@ def stamp_capture(
     """The representatives' capture and its stamp, or why the step must be traced whole.
 
     ``lifted``: the Python numbers the step is known to rewrite (they do not split classes).
-    ``opaque_helpers``: as :func:`~hocompile.capture.capture`'s (NS fusion off).
-    A :class:`~hocompile.host_scalars.CaptureError` of a reduced trace propagates: the full
+    ``opaque_helpers``: as :func:`~hocompile.capture.trace.capture`'s (NS fusion off).
+    A :class:`~hocompile.capture.host_scalars.CaptureError` of a reduced trace propagates: the full
     trace would meet the same code.
     """
     start = time.perf_counter()

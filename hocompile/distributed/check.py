@@ -23,7 +23,7 @@ import torch.fx as fx
 # and another rank's thread (threaded process groups in tests) may be tracing right now.
 from torch.distributed import distributed_c10d as c10d
 
-from ..collectives import collective_launches
+from ..capture.collectives import collective_launches
 from ..errors import DistributedMismatchError  # noqa: F401  (defined there, re-exported here)
 from .replicated import DIST_PLAN, OwnershipPlan
 

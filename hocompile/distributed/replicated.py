@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .. import dtypes
-from ..decisions import Choice, Decision, record
+from ..ir import dtypes
+from ..ir.decisions import Choice, Decision, record
 from .plan import DistPlan
 
 aten = torch.ops.aten

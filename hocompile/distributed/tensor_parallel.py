@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-from .. import newton_schulz as ns
-from .. import ops as _ops  # noqa: F401  (registers hocompile::newton_schulz)
 from ..errors import BlockwiseWarning  # noqa: F401  (defined there, re-exported here)
+from ..ops import newton_schulz as _ops  # noqa: F401  (registers hocompile::newton_schulz)
+from ..ops import newton_schulz_math as ns
 
 log = logging.getLogger(__name__)
 

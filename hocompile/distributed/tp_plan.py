@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decisions import Alternative, Decision, format_seconds, record
+from ..ir.decisions import Alternative, Decision, format_seconds, record
 from ..targets import Target
 from .tensor_parallel import MODES, NSArgs, tp_newton_schulz
 
@@ -214,7 +214,7 @@ def rewrite_ns_node(
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ..ops_schema import NewtonSchulzSpec
+    from ..ops.newton_schulz_spec import NewtonSchulzSpec
 
     spec = NewtonSchulzSpec.from_node(node)
     fake = spec.x_node.meta.get("val")

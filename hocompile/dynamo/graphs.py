@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..diskcache import DiskCache
 from ..errors import BackendFallbackWarning  # noqa: F401  (defined there, re-exported here)
-from ..graph import ORIGIN, ROLE, InputSlot, decisions, graph_stats, print_graph
+from ..ir.graph import ORIGIN, ROLE, InputSlot, decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..passes import PassRecord, run_pipeline
 from ..settings import Settings

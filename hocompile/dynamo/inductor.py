@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..errors import BackendFallbackWarning
-from ..graph import ROLE
+from ..ir.graph import ROLE
 from ..settings import Settings
 from .graphs import GraphRecord, NotHocompileIR, prepare, run_passes
 from .last import last_records, remember

@@ -20,12 +20,12 @@ import torch.fx as fx
 from torch._library.custom_ops import OPDEFS
 from torch.fx.graph import PythonCode
 
-from ..decisions import decisions_of
+from ..capture.inplace_foreach import run_eager_inplace
+from ..capture.matmul_precision import honour as honour_matmul_precision
 from ..diskcache import DiskCache, load_generated
-from ..graph import print_graph
-from ..inplace_foreach import run_eager_inplace
-from ..matmul_precision import honour as honour_matmul_precision
-from ..passes.measure_ns import intra_op_threads
+from ..ir.decisions import decisions_of
+from ..ir.graph import print_graph
+from ..precision.measure_ns import intra_op_threads
 from .fused_updates import fuse_updates
 from .helper_calls import call_helpers
 from .reinplace import Reinplaced, reinplace, reuse_temporaries

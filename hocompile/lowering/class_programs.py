@@ -22,14 +22,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture import CapturedStep
-from ..capture_graph import OutputAction
+from ..capture.finish import OutputAction
+from ..capture.scalars import Expr
+from ..capture.trace import CapturedStep
 from ..classes.separable import GLOBAL, MemberId, Partition, expr_members, member_of_slot, partition
 from ..classes.stamp import Stamp
-from ..decisions import decision_of
 from ..diskcache import DiskCache
-from ..graph import ROLE, InputSlot
-from ..scalars import Expr
+from ..ir.decisions import decision_of
+from ..ir.graph import ROLE, InputSlot
 from .aten import LoweredStep, cache_key, lower_to_aten
 from .list_mode import ListModeError, contiguous, to_list_mode
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph import ROLE, InputSlot
+from ..ir.graph import ROLE, InputSlot
 
 aten = torch.ops.aten
 Number = int | float

@@ -29,8 +29,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..compiled_calls import call_directly, call_in_place, written_arguments
-from ..graph import is_fallible
+from ..capture.compiled_calls import call_directly, call_in_place, written_arguments
+from ..ir.graph import is_fallible
 from .reinplace import views_of
 from .writeback import readers
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import is_fallible  # noqa: F401  (re-exported: reinplace and the runtime read it here)
+from ..ir.graph import is_fallible  # noqa: F401  (re-exported: reinplace and the runtime read it here)
 
 aten = torch.ops.aten
 

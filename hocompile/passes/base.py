@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch.fx as fx
 
-from ..registry import OpSpec
+from ..ir.registry import OpSpec
 from ..targets import Target
 
 log = logging.getLogger("hocompile.passes")
@@ -34,7 +34,7 @@ class Pass:
     :meth:`identity` (which enters the cache key) changes when they or the
     pass's source change. A pass that plans from a target's measured rates
     records what it chose in the graph (op arguments, structure, and
-    :class:`~hocompile.decisions.Decision` choices), so the identity names
+    :class:`~hocompile.ir.decisions.Decision` choices), so the identity names
     the target but not its rates.
     """
 

@@ -1,6 +1,6 @@
 """batch-by-shape: same-shaped calls of a registered op become one batched call.
 
-Every op family with a :class:`~hocompile.registry.BatchRule` batches; the
+Every op family with a :class:`~hocompile.ir.registry.BatchRule` batches; the
 example is Newton–Schulz. Before (two 768×3072 and one 3072×768 matrix, same
 coefficients)::
 
@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..graph import stable_topological_sort
-from ..registry import BatchRule, registered_calls
+from ..ir.graph import stable_topological_sort
+from ..ir.registry import BatchRule, registered_calls
 from ..targets import Target
 from .base import Pass, PassResult
 

@@ -10,7 +10,7 @@ On the CPU running the step (``Target.measured``) timing only chooses how
 many intra-op threads run the rule's program, between thread counts checked
 to give the very same bits (:func:`measured_plan`). The pass writes the
 answer into the op's arguments and records a
-:class:`~hocompile.decisions.Decision` (its ``chose``: algorithm, compute,
+:class:`~hocompile.ir.decisions.Decision` (its ``chose``: algorithm, compute,
 restarts, matmul, blocks; its alternatives with their predicted or measured
 times, or why they were refused).
 
@@ -42,13 +42,11 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from .. import dtypes
-from ..decisions import Alternative, Choice, Decision, format_seconds, record, set_eager_dtype
-from ..newton_schulz import flops
-from ..ops_schema import NewtonSchulzSpec
-from ..targets import Target
-from .base import Pass, PassResult
-from .measure_ns import (
+from ..ir import dtypes
+from ..ir.decisions import Alternative, Choice, Decision, format_seconds, record, set_eager_dtype
+from ..ops.newton_schulz_math import flops
+from ..ops.newton_schulz_spec import NewtonSchulzSpec
+from ..precision.measure_ns import (
     BUDGET_S,
     MARGIN,
     Candidate,
@@ -60,6 +58,8 @@ from .measure_ns import (
     unit_counts,
     wall_timer,
 )
+from ..targets import Target
+from .base import Pass, PassResult
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
 # m²n of the largest NS that is also timed on one thread. Above it all threads won here when quiet
@@ -172,7 +172,7 @@ def measured_plan(
 
     What the plan computes (algorithm, dtype, products) is the rule's (:func:`decide`); timing
     only picks how many intra-op threads run it, and only between thread counts that give the
-    very same bits here (:func:`~hocompile.passes.measure_ns.same_bits`): a 64×256 fp32 X Xᵀ
+    very same bits here (:func:`~hocompile.precision.measure_ns.same_bits`): a 64×256 fp32 X Xᵀ
     rounds differently on one thread than on two, and a busy machine must not change a plan's
     numbers. The twin must beat all threads by 3 %.
     """

@@ -20,7 +20,7 @@ After::
     t2 = hocompile.newton_schulz(t1, ..., bf16->bf16, standard schedule fp8_e4m3*3+bf16*2, native)
         # choose-precision: fp8_e4m3*3+bf16*2, 32.6 us predicted, error 0.0543 (vs bf16*5 36.2 us, ...), ...
 
-The answer is recorded as a :class:`~hocompile.decisions.Decision` (its
+The answer is recorded as a :class:`~hocompile.ir.decisions.Decision` (its
 ``chose``: the schedule; empty where the op keeps its uniform precision).
 
 The normalisation always runs in fp32. Coefficient sets without calibration
@@ -38,10 +38,10 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from .. import dtypes
-from ..decisions import Alternative, Choice, Decision, eager_dtype, record
-from ..newton_schulz import flops
-from ..ops_schema import NewtonSchulzSpec
+from ..ir import dtypes
+from ..ir.decisions import Alternative, Choice, Decision, eager_dtype, record
+from ..ops.newton_schulz_math import flops
+from ..ops.newton_schulz_spec import NewtonSchulzSpec
 from ..precision.calibrate import load_calibration, schedule_key
 from ..precision.emulate import FORMATS
 from ..targets import Target

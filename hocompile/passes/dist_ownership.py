@@ -54,10 +54,10 @@ from typing import Any, ClassVar
 
 import torch.fx as fx
 
-from .. import dtypes
 from ..distributed.plan import Item, assign_buckets, assign_owners, ns_cost
 from ..distributed.replicated import DIST_PLAN, Member, OwnershipPlan, rewrite_bucket, schedule
-from ..registry import OpFamily, registered_calls
+from ..ir import dtypes
+from ..ir.registry import OpFamily, registered_calls
 from .base import Pass, PassResult
 
 __all__ = ["DIST_PLAN", "DistOwnership", "OwnershipPlan"]

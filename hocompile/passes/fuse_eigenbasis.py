@@ -29,7 +29,7 @@ proves the symmetry from the graph: L must be a Gram product ``A Aᵀ`` /
 ``Aᵀ A``, or a ``lerp``/``add`` of a state and such a Gram (SOAP's factor
 update, symmetric as long as the state is, and SOAP only ever stores these
 lerps into it, starting from zeros). The op arithmetic is eager's (see
-:mod:`hocompile.families.eigenbasis` for what is bitwise and what is not).
+:mod:`hocompile.ops.eigenbasis` for what is bitwise and what is not).
 
 Declined, with the reason: anything else reading the Qᵀ L product, the
 sort's values, Q[:, order] or R of the QR; a complete QR (``mode``
@@ -45,9 +45,9 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..families.eigenbasis import PowerQRSpec, RayleighOrderSpec
+from ..ir.matrix_polynomial import is_call
+from ..ops.eigenbasis import PowerQRSpec, RayleighOrderSpec
 from .base import Pass, PassResult, with_declines
-from .matrix_polynomial import is_call
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ After::
 
 Spellings: ``lerp`` with a scalar weight (SOAP), ``addmm(F, G, Gᵀ, beta=β,
 alpha=w)`` (hocompile's Shampoo), either side. The op makes eager's calls
-(see :mod:`hocompile.families.factor_update`), so the step stays bitwise.
+(see :mod:`hocompile.ops.factor_update`), so the step stays bitwise.
 
 Declined, with the reason: a product that is no Gram of one matrix — among
 them REKLS's KL-Shampoo update ``lerp(L, G C Gᵀ, w)``, a three-factor
@@ -35,9 +35,9 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..families.factor_update import FactorUpdateSpec
+from ..ir.matrix_polynomial import is_call, is_number
+from ..ops.factor_update import FactorUpdateSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
-from .matrix_polynomial import is_call, is_number
 
 aten = torch.ops.aten
 

@@ -43,9 +43,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..families.inverse_root import InverseRootSpec
+from ..ir.matrix_polynomial import is_call, is_number
+from ..ops.inverse_root import InverseRootSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
-from .matrix_polynomial import is_call, is_number
 
 aten = torch.ops.aten
 

@@ -71,18 +71,10 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..ops_schema import NewtonSchulzSpec
+from ..ir.matrix_polynomial import Expansion, identity_shift, is_call, is_number, odd_coefficients, reads, transposed
+from ..ir.ns_normalization import back_through_layout, is_cast, layout_step, normalization, one_dtype_change
+from ..ops.newton_schulz_spec import NewtonSchulzSpec
 from .base import Pass, PassResult, with_declines
-from .matrix_polynomial import (
-    Expansion,
-    identity_shift,
-    is_call,
-    is_number,
-    odd_coefficients,
-    reads,
-    transposed,
-)
-from .ns_normalization import back_through_layout, is_cast, layout_step, normalization, one_dtype_change
 
 aten = torch.ops.aten
 Coefficients = tuple[float, float, float]

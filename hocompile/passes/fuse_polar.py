@@ -24,7 +24,7 @@ Spellings: ``torch.linalg.svd(X, full_matrices=False)`` or ``torch.svd(X)``
 X only (the same factors). The op with ``method="svd"`` makes exactly the
 same calls, so the step stays bitwise eager; ``method="gram_eigh"`` is the
 opt-in faster factor whose error grows like κ²·eps (see
-:mod:`hocompile.families.polar`), never the default.
+:mod:`hocompile.ops.polar`), never the default.
 
 Declined, with the reason: batched (3-D) or unreduced SVDs, an explicit
 ``driver``, U or Vh read by anything but ``U @ Vh``, singular values read for
@@ -41,9 +41,9 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..families.polar import METHODS, PolarSpec
+from ..ir.matrix_polynomial import is_call
+from ..ops.polar import METHODS, PolarSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
-from .matrix_polynomial import is_call
 
 aten = torch.ops.aten
 

@@ -22,7 +22,7 @@ After::
 
 A and B may be read transposed (``permute(Q, [1, 0])``: the projection back,
 ``Q_L U Q_Rᵀ``). The op keeps the association and the exact ``mm`` calls
-(see :mod:`hocompile.families.two_sided`), so the step stays bitwise.
+(see :mod:`hocompile.ops.two_sided`), so the step stays bitwise.
 
 Declined, with the reason (only where a chain of two products was found):
 factors that are not square m×m and n×n for an m×n X (REKLS's ``G C Gᵀ``,
@@ -40,9 +40,9 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..families.two_sided import TwoSidedSpec
+from ..ir.matrix_polynomial import is_call
+from ..ops.two_sided import TwoSidedSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
-from .matrix_polynomial import is_call
 
 aten = torch.ops.aten
 

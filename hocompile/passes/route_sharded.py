@@ -45,13 +45,13 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..decisions import record
 from ..distributed.plan import Item, assign_owners, ns_cost
 from ..distributed.sharded import SHARDED, SHARDED_OUTPUTS, chunk_rows, step_layout
 from ..distributed.tp_plan import PLAN_MODES, TPChoice
 from ..errors import CaptureError
-from ..graph import ROLE, stable_topological_sort
-from ..registry import family_of
+from ..ir.decisions import record
+from ..ir.graph import ROLE, stable_topological_sort
+from ..ir.registry import family_of
 from ..targets import Target
 from .base import Pass, PassResult
 from .tp_newton_schulz import TensorParallelNS, choose_mode, mark_for_tp, require_tp_done

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from ..decisions import decisions_of
-from ..graph import ORIGIN, print_graph, verify
+from ..ir.decisions import decisions_of
+from ..ir.graph import ORIGIN, print_graph, verify
 from .base import Pass
 
 log = logging.getLogger("hocompile.passes")

@@ -39,12 +39,12 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .. import dtypes
-from ..collectives import collective_launches
-from ..decisions import DECISION, Alternative, Decision, format_seconds, record
+from ..capture.collectives import collective_launches
 from ..diskcache import read_json, write_json
-from ..graph import stable_topological_sort
-from ..registry import registered_calls
+from ..ir import dtypes
+from ..ir.decisions import DECISION, Alternative, Decision, format_seconds, record
+from ..ir.graph import stable_topological_sort
+from ..ir.registry import registered_calls
 from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
 from .batch_by_shape import stack_bytes_of

@@ -36,14 +36,14 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from .. import dtypes
-from ..decisions import Alternative, Decision, decisions_of, format_seconds, record
 from ..diskcache import read_json, write_json
-from ..graph import PER_PARAM, ROLE, InputSlot
-from ..registry import registered_calls
+from ..ir import dtypes
+from ..ir.decisions import Alternative, Decision, decisions_of, format_seconds, record
+from ..ir.graph import PER_PARAM, ROLE, InputSlot
+from ..ir.registry import registered_calls
+from ..precision.measure_ns import intra_op_threads
 from ..targets import Target, cpu_id
 from .base import Pass, PassResult, with_declines
-from .measure_ns import intra_op_threads
 
 STACK_VERSION = 2
 ROUNDS = 3

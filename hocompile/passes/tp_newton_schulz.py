@@ -39,8 +39,8 @@ import torch.fx as fx
 from ..distributed.sharded import chunk_rows
 from ..distributed.tp_plan import TPChoice, choose_tp_mode, ns_flops_as_given, rewrite_ns_node
 from ..errors import CaptureError
-from ..ops_schema import NewtonSchulzSpec
-from ..registry import family_of
+from ..ir.registry import family_of
+from ..ops.newton_schulz_spec import NewtonSchulzSpec
 from ..targets import Target
 from .base import Pass, PassResult
 

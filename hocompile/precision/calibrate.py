@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..newton_schulz import newton_schulz, reference_fp64
+from ..ops.newton_schulz_math import newton_schulz, reference_fp64
 from .coefficients import Table, coefficients
 from .emulate import FORMATS
 from .schedule_ns import advance, finish, newton_schulz_scheduled, start

@@ -10,7 +10,7 @@ One GEMM ``C = alpha * (A @ B) + beta * C0`` in format ``fmt`` runs as:
 3. **accumulation is fp32**, in one of two orders:
 
    - fp32 / tf32 / bf16 / fp16: torch's fp32 GEMM (BLAS order) on the
-     dequantised operands — the same call ``hocompile.newton_schulz._Arith``
+     dequantised operands — the same call ``hocompile.ops.newton_schulz_math._Arith``
      makes for ``matmul="emulate"``, so results agree with it bit for bit;
    - FP8 and MXFP8: K is split into chunks of 32 (:data:`CHUNK_K`); each
      chunk's dot product is summed exactly and rounded once to fp32, MX chunks
@@ -83,7 +83,7 @@ class Format:
     (FP8 is only a GEMM operand format: the iterate stays bf16).
     """
 
-    name: str  # the dtype's name in hocompile.dtypes where it is one ("bf16", "fp8_e4m3")
+    name: str  # the dtype's name in hocompile.ir.dtypes where it is one ("bf16", "fp8_e4m3")
     kind: FormatKind
     storage: torch.dtype
     element: torch.dtype | None = None  # the fp8 dtype of fp8/mx operands

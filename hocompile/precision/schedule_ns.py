@@ -1,7 +1,7 @@
 """Newton–Schulz with one compute format per iteration, every GEMM emulated exactly.
 
 The algorithms and their operation order are those of
-``hocompile.newton_schulz`` (standard and Gram NS, restarts, cubic variant);
+``hocompile.ops.newton_schulz_math`` (standard and Gram NS, restarts, cubic variant);
 only the rounding model differs:
 
 - **normalisation** is always fp32 (accumulate in fp32, divide, no further
@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..newton_schulz import ALGORITHMS, EPS_MODES, Coefficients, normalize
+from ..ops.newton_schulz_math import ALGORITHMS, EPS_MODES, Coefficients, normalize
 from .emulate import FORMATS, emulated_matmul
 
 

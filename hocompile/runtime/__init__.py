@@ -1,5 +1,6 @@
 """Runtime: the drop-in CompiledOptimizer, its guards, the compile driver it shares with plan(),
-verify=N, and explain(). The on-disk cache is hocompile/diskcache.py, shared with the lowerings."""
+verify=N (``check/``), and explain() (``report/``). The on-disk cache is hocompile/diskcache.py,
+shared with the lowerings."""
 
 from ..errors import UnsupportedParameterError
 from .compiled_optimizer import CompiledOptimizer, Counters

@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..capture import CapturedStep, capture, host_env
+from ..capture.collectives import collective_launches
+from ..capture.host_state import HostSlot
+from ..capture.snapshot import random_state_kept
+from ..capture.trace import CapturedStep, capture, host_env
 from ..classes.stamp import Stamp, stamp_capture
-from ..collectives import collective_launches
 from ..diskcache import DiskCache
 from ..distributed.check import check_collectives_agree, check_replicated, planning_basis, rank0_target
 from ..distributed.replicated import resolve_group
 from ..distributed.sharded import is_dtensor
-from ..graph import decisions, graph_stats, print_graph
-from ..host_state import HostSlot
+from ..ir.graph import decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..lowering.aten import fast_program
 from ..lowering.class_programs import Program, lower_programs, split_programs
@@ -41,7 +42,6 @@ from ..passes.route_sharded import require_routed, with_route_sharded
 from ..passes.stack_calls import StackCalls
 from ..passes.stack_members import StackMembers
 from ..settings import Backend, Distributed, Settings
-from ..snapshot import random_state_kept
 from ..targets import Target, device_arch, resolve_target
 from . import warm
 from .stamped import StampedRun, broken_guard, build_run

@@ -27,15 +27,15 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..capture import CapturedStep, unwrapped_step
-from ..capture_containers import aliases_hold
-from ..capture_slots import tensor_lookup
+from ..capture.container_trace import aliases_hold
+from ..capture.fused_kernels import runs_as_is
+from ..capture.host_state import HostSlot
+from ..capture.slots import tensor_lookup
+from ..capture.trace import CapturedStep, unwrapped_step
 from ..errors import CaptureError, UnsupportedParameterError
-from ..fused_kernels import runs_as_is
-from ..host_state import HostSlot
 from ..passes import Pass
 from ..settings import Fallback, Settings
-from .checked_run import run_checked
+from .check.checked_run import run_checked
 from .compile_step import compile_step, params_device, resolve_backend, step_pipeline
 from .entries import (
     _FORWARDED,

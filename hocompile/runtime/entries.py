@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-from ..capture import CapturedStep, host_env, slot_tensor, step_tensors
-from ..capture_containers import write_containers
+from ..capture.container_trace import write_containers
+from ..capture.host_state import MISSING
+from ..capture.trace import CapturedStep, host_env, slot_tensor, step_tensors
 from ..distributed.sharded import like_param, local_tensor
 from ..errors import LinAlgFallbackWarning, RecompileLimitWarning  # noqa: F401  (defined there, re-exported here)
-from ..graph import InputSlot
-from ..host_state import MISSING
+from ..ir.graph import InputSlot
 from ..lowering import LoweredStep
 from ..passes import PassRecord
-from .self_check import SelfCheck
+from .check.self_check import SelfCheck
+from .check.verify import Verification
 from .stamped import StampedRun, run_stamped
-from .verify import Verification
 
 # Attributes GradScaler sets on an optimizer whose step supports AMP scaling.
 _FORWARDED = frozenset({"grad_scale", "found_inf"})

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..host_state import HostSlot
-from ..stand_ins import frozen_attributes
+from ..capture.host_state import HostSlot
+from ..capture.stand_ins import frozen_attributes
 from .guards import Signature, attributes, group_options, state_value
 
 TensorGuards: Any

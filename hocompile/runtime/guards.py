@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..capture_containers import container_attributes
-from ..containers import flatten, holds_tensors
-from ..host_scalars import is_hyperparameter
-from ..host_state import HostSlot
-from ..stand_ins import frozen_attributes
+from ..capture.container_trace import container_attributes
+from ..capture.containers import flatten, holds_tensors
+from ..capture.host_scalars import is_hyperparameter
+from ..capture.host_state import HostSlot
+from ..capture.stand_ins import frozen_attributes
 
 TensorSig = tuple[tuple[int, ...], torch.dtype, torch.device, torch.layout]
 

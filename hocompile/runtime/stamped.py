@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ..capture import CapturedStep, slot_tensor
-from ..capture_graph import OutputAction
-from ..capture_slots import member_tensor
+from ..capture.finish import OutputAction
+from ..capture.host_state import MISSING, HostSlot, HostUpdate
+from ..capture.scalars import Expr, Guard, ScalarProgram, build_scalar_program
+from ..capture.slots import member_tensor
+from ..capture.trace import CapturedStep, slot_tensor
 from ..classes.separable import GLOBAL, expr_members, generic_name, member_of_name
 from ..classes.stamp import Stamp
-from ..host_state import MISSING, HostSlot, HostUpdate
 from ..lowering.class_programs import Program
-from ..scalars import Expr, Guard, ScalarProgram, build_scalar_program
 
 
 @dataclass

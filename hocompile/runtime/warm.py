@@ -35,16 +35,16 @@ from typing import Any
 
 import torch
 
-from .. import graph_codec
-from ..capture import CapturedStep
-from ..compiled_helpers import holds_compiled_calls
+from ..capture.compiled_helpers import holds_compiled_calls
+from ..capture.host_state import HostSlot
+from ..capture.scalars import build_scalar_program
+from ..capture.trace import CapturedStep
 from ..diskcache import atomic_write_bytes, warn_once, warn_unwritable
 from ..errors import CacheWarning
-from ..graph_codec import CodecError
-from ..host_state import HostSlot
+from ..ir import codec as graph_codec
+from ..ir.codec import CodecError
 from ..lowering.class_programs import Program
 from ..passes import Pass
-from ..scalars import build_scalar_program
 from ..settings import Settings
 from .guards import Signature, signature
 

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from ... import dtypes
-from ...registry import OpFamily
+from ...ir import dtypes
+from ...ir.registry import OpFamily
 from .code import CodeWriter
 from .module import assemble
 from .op_groups import GroupCode, allocations, triton_emitter

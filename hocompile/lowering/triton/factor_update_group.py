@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ... import dtypes
-from ...families.factor_update import FACTOR_UPDATE, FactorUpdateSpec
-from ...registry import register_lowering
+from ...ir import dtypes
+from ...ir.registry import register_lowering
+from ...ops.factor_update import FACTOR_UPDATE, FactorUpdateSpec
 from .call_group import CallNames
 from .code import CodeWriter, KernelSource
 from .code import emit_round as _round

@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ... import dtypes
+from ...ir import dtypes
 from .code import CodeWriter, KernelSource, emit_round
 from .tile_code import cast, cdiv, header, lower_grid, lower_tile, store, store_symmetric, wrapped
 from .tiles import TileConfig, matmul_tile

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import dtypes
-from ...newton_schulz import EPS_MODES
+from ...ir import dtypes
+from ...ops.newton_schulz_math import EPS_MODES
 from .code import TL_DTYPE, CodeWriter, KernelSource
 from .code import emit_round as _round
 from .tile_code import (

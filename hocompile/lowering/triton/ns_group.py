@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...ops_schema import NewtonSchulzSpec, newton_schulz_op
+from ...ir.registry import register_lowering
+from ...ops.newton_schulz_spec import NewtonSchulzSpec, newton_schulz_op
 from ...precision.calibrate import parse_schedule_key
-from ...registry import register_lowering
 from .code import CodeWriter
 from .ns_kernels import emit_newton_schulz
 from .ns_scheduled import emit_newton_schulz_scheduled

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import dtypes
+from ...ir import dtypes
 from .code import CodeWriter, KernelSource
 from .matmul_kernels import GemmSpec, GramSpec, SymPolySpec, generate_gemm, generate_gram, generate_sym_poly
 from .op_groups import Buffer

@@ -39,14 +39,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ... import dtypes
+from ...ir import dtypes
 from ...precision.emulate import FORMATS
 from .code import CodeWriter, KernelSource
 from .fp8_kernels import FP8_ARCHS, FP8_FORMATS, Fp8GemmSpec, amax_tiles, generate_fp8_gemm
 from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, _gram_denominator
 from .ns_kernels import KernelSet, NSLaunches, Temporaries
 
-# Formats the scheduled kernels run natively as a storage dtype (names from hocompile.dtypes).
+# Formats the scheduled kernels run natively as a storage dtype (names from hocompile.ir.dtypes).
 FLOAT_FORMATS = frozenset({"fp32", "bf16", "fp16"})
 SCALE_BLOCK = {"interpret": 256}  # elements per ns_scale program (the interpreter is slow per program)
 DEFAULT_SCALE_BLOCK = 1024

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from ...registry import OpFamily, family_of
+from ...ir.registry import OpFamily, family_of
 from .code import KernelSource
 
 aten = torch.ops.aten

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ... import dtypes
+from ...ir import dtypes
 from .code import TL_DTYPE, CodeWriter, KernelSource, emit_round
 from .op_groups import Workspace
 from .pointwise_ops import POINTWISE

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ...graph import ORIGIN
-from ...registry import family_of
+from ...ir.graph import ORIGIN
+from ...ir.registry import family_of
 from .pointwise_ops import is_scalar_arg
 from .regions import is_placeholder_slot, is_pointwise
 

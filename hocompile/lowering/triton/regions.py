@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...graph import ROLE, InputSlot
+from ...ir.graph import ROLE, InputSlot
 from .op_groups import GroupRef, OpGroup
 from .pointwise_ops import is_scalar_arg, supported
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import dtypes
+from ...ir import dtypes
 from .code import TL_DTYPE, CodeWriter
 from .code import emit_round as _round
 from .tiles import TileConfig

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ... import dtypes
-from ...families.two_sided import TWO_SIDED, TwoSidedSpec
-from ...registry import register_lowering
+from ...ir import dtypes
+from ...ir.registry import register_lowering
+from ...ops.two_sided import TWO_SIDED, TwoSidedSpec
 from .call_group import CallNames
 from .code import CodeWriter, KernelSource
 from .code import emit_round as _round

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ... import dtypes
-from ...graph import ORIGIN
+from ...ir import dtypes
+from ...ir.graph import ORIGIN
 from .call_group import CallDecline, CallGroup, emit_call, find_calls
 from .code import CodeWriter, KernelSource, ValueNames
 from .code import python_arg as _py
