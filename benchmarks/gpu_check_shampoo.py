@@ -25,7 +25,7 @@ SF_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
 SF_SMOKE_SHAPES = [(16, 24), (24, 16)]  # a tall/wide pair: factors of both sides, a stacked factor_update
 SMOKE_FAMILY = ("SOAP", "Shampoo")
 SF_CHECK_STEPS = 3  # judged steps on distinct grads (SOAP/Shampoo build their bases at step 1)
-# Each of those steps is judged against eager from the same state (hocompile/runtime/judgement.py): against
+# Each of those steps is judged against eager from the same state (hocompile/runtime/check/judgement.py): against
 # eager's own spread there, with the step's eigh/qr outputs substituted where they can be matched. A tolerance
 # on the trajectory judged rounding luck: SOAP's null-space eigenbasis is picked by rounding, so any change of
 # summation order (the Triton kernels, OPENBLAS_CORETYPE under the interpreter) moved it by 0.1-2 of a step.
@@ -192,7 +192,7 @@ def section(
     shapes = SF_SMOKE_SHAPES if ctx.smoke else SF_SHAPES
     p0, *grads = make(ctx, shapes, seed=30, count=1 + SF_CHECK_STEPS)
     grads = [[g * 0.05 for g in gs] for gs in grads]
-    out.update(shapes=shapes, check_steps=SF_CHECK_STEPS, judged="against eager's spread (runtime/judgement.py)")
+    out.update(shapes=shapes, check_steps=SF_CHECK_STEPS, judged="against eager's spread (runtime/check/judgement.py)")
     if ctx.cuda:  # the interpreter would take minutes at these shapes; tests/test_factor_triton.py covers CPU
         _kernel_check(ctx, out, shapes, timed)
     family = _shampoo_family()

@@ -8,7 +8,7 @@ Two optimizers differ only in where the global grad-norm clip factor lives:
 ``.item()`` (``scale = min(1, max_norm / total)`` in Python, then ``alpha=``);
 *device* keeps the same factor a tensor (``torch.clamp``), no sync. Both are
 compiled with hocompile; the host-read step runs its read program first (the
-norm), reads it, then the rest (hocompile/host_reads.py). Adafactor (two reads
+norm), reads it, then the rest (hocompile/capture/host_reads.py). Adafactor (two reads
 per param) is measured against its eager step too. Steps of all variants are
 interleaved (round r runs each once, order rotated); the figure is the median.
 Params are checked bitwise against eager after the run.

@@ -8,14 +8,16 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .dynamo import explain_last, inductor_passes
-from .dynamo import register as _register_backend
 from .errors import (
     BackendFallbackWarning,
     BlockwiseWarning,
@@ -33,6 +35,7 @@ from .runtime import CompiledOptimizer
 from .runtime.check.judgement import Verdict, judge_step
 from .runtime.report.explain import explain
 from .runtime.report.plan import plan
+from .runtime.report.reports import Explanation, PlanReport, ProgramReport
 from .runtime.wrappers import compile_wrapped, wrapped_slots
 from .settings import Backend, Distributed, Fallback, Precision, Settings
 from .targets import Target
@@ -56,30 +59,12 @@ def compile_optimizer(optimizer: _Wrapper, **options: Any) -> _Wrapper: ...
 def compile_optimizer(  # type: ignore[misc]
     optimizer: Any,
     *,
-    fallback: str | Fallback = "error",
-    structural_keys: tuple[str, ...] | list[str] = (),
-    cache_dir: str | os.PathLike[str] | None = None,
-    dump_dir: str | os.PathLike[str] | None = None,
-    disable_passes: tuple[str, ...] | list[str] | None = None,
-    debug: int | None = None,
-    precision: str | Precision = "auto",
-    target: str | Target = "auto",
     backend: str | Backend = "auto",
-    cuda_graphs: bool = False,
-    autotune: bool = False,
-    error_budget: float | None = None,
-    schedule: tuple[str, ...] | list[str] | str = (),
-    max_batch: int | None = None,
-    max_stack_bytes: int | None = None,
-    verify: bool | int | None = None,
-    recompile_limit: int = 8,
-    fused_updates: bool | None = None,
-    distributed: str | Distributed = "auto",
-    process_group: torch.distributed.ProcessGroup | None = None,
-    tp_mode: str = "auto",
-    stamp: bool | None = None,
-    warm_start: bool | None = None,
-    self_check: bool | None = None,
+    precision: str | Precision = "auto",
+    fallback: str | Fallback = "error",
+    cache_dir: str | os.PathLike[str] | None = None,
+    options: Mapping[str, Any] | None = None,
+    **more: Any,
 ) -> Any:
     """Wrap ``optimizer`` so its ``step()`` runs as a compiled graph.
 
@@ -93,6 +78,13 @@ def compile_optimizer(  # type: ignore[misc]
             it are compiled in place and the wrapper itself is returned, its
             own step (grad preparation, clipping, gathers) unchanged
             (hocompile/runtime/wrappers.py).
+        backend, precision, fallback, cache_dir: the four settings most users
+            set (below).
+        options: every other setting, by name: ``options={"verify": 3}``. The
+            same names are accepted as keywords (``verify=3``); a name given
+            both ways, or one that is no option, raises ``TypeError``.
+
+    Options (``Settings.resolve`` holds the names, their defaults and checks):
         fallback: ``"error"`` (default) raises :class:`CaptureError` when the
             step cannot be compiled; ``"eager"`` logs a warning and runs the
             eager step for that configuration instead.
@@ -131,7 +123,7 @@ def compile_optimizer(  # type: ignore[misc]
             off): eager runs on copies of params, grads and state, and every
             tensor must match bitwise where the compiled plan keeps eager's
             arithmetic, and stay within the Newton–Schulz error budget where
-            it does not (see hocompile/runtime/verify.py). A mismatch raises
+            it does not (see hocompile/runtime/check/verify.py). A mismatch raises
             :class:`VerificationError` naming the parameter, tensor, size of
             the difference and bound, with the optimizer holding eager's
             result for that step; with ``fallback="eager"`` it logs a warning
@@ -194,36 +186,30 @@ def compile_optimizer(  # type: ignore[misc]
     Compilation happens on the first ``step()`` (the state it creates lazily
     is part of the first graph) and again only when guards change.
     """
-    settings = Settings.resolve(
-        cache_dir=cache_dir,
-        dump_dir=dump_dir,
-        disable_passes=disable_passes,
-        debug=debug,
-        fallback=fallback,
-        structural_keys=structural_keys,
-        precision=precision,
-        target=target,
-        backend=backend,
-        cuda_graphs=cuda_graphs,
-        autotune=autotune,
-        error_budget=error_budget,
-        schedule=schedule,
-        max_batch=max_batch,
-        max_stack_bytes=max_stack_bytes,
-        verify=verify,
-        recompile_limit=recompile_limit,
-        fused_updates=fused_updates,
-        distributed=distributed,
-        process_group=process_group,
-        tp_mode=tp_mode,
-        stamp=stamp,
-        warm_start=warm_start,
-        self_check=self_check,
-    )
+    settings = Settings.resolve(**_options(options, more, backend=backend, precision=precision, fallback=fallback,
+                                           cache_dir=cache_dir))
     slots = wrapped_slots(optimizer)
     if slots is not None:  # a training stack's wrapper: compile what it holds, keep its own step
         return compile_wrapped(optimizer, slots, lambda inner: _compile_one(inner, settings))
     return _compile_one(optimizer, settings)
+
+
+def _options(options: Mapping[str, Any] | None, more: dict[str, Any], **common: Any) -> dict[str, Any]:
+    """compile_optimizer's settings by name: the common keywords, ``options=`` and the other keywords."""
+    given = dict(options or {})
+    known = [name for name in inspect.signature(Settings.resolve).parameters if name not in common]
+    twice = sorted(set(given) & set(more))
+    if twice:
+        raise TypeError(f"compile_optimizer() got {', '.join(map(repr, twice))} both in options= and as a keyword")
+    given.update(more)
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, [*known, *common], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            where = " as an option: pass it as a keyword" if name in common else ""
+            raise TypeError(f"compile_optimizer() got an unknown option {name!r}{where}{hint}; options are "
+                            f"{', '.join(known)}")
+    return {**common, **given}
 
 
 def _compile_one(optimizer: torch.optim.Optimizer, settings: Settings) -> CompiledOptimizer:
@@ -241,8 +227,6 @@ def _compile_one(optimizer: torch.optim.Optimizer, settings: Settings) -> Compil
     return CompiledOptimizer(optimizer, settings)
 
 
-_register_backend()  # torch.compile(fn, backend="hocompile")
-
 __all__ = [
     "Backend",
     "BackendFallbackWarning",
@@ -252,10 +236,13 @@ __all__ = [
     "CompiledHelperWarning",
     "CompiledOptimizer",
     "Distributed",
+    "Explanation",
     "DistributedMismatchError",
     "Fallback",
     "LinAlgFallbackWarning",
+    "PlanReport",
     "Precision",
+    "ProgramReport",
     "RecompileLimitWarning",
     "SelfCheckWarning",
     "Settings",

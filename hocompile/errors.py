@@ -33,7 +33,7 @@ class UnsupportedParameterError(ValueError):
 
 
 class VerificationError(RuntimeError):
-    """A compiled step differed from eager beyond the error model of this module (runtime/verify.py)."""
+    """A compiled step differed from eager beyond the error model of this module (runtime/check/verify.py)."""
 
 
 class DistributedMismatchError(RuntimeError):

@@ -8,12 +8,12 @@
   ``~/.cache/hocompile``).
 - ``HOCOMPILE_DISABLE_PASSES``: comma-separated pass names to skip.
 - ``HOCOMPILE_VERIFY``: check each new compiled step against eager for its
-  first steps (runtime/verify.py): ``1``/``true``/``on`` for the default
+  first steps (runtime/check/verify.py): ``1``/``true``/``on`` for the default
   number (3), another integer N for N steps, ``0``/``false``/``off`` (or
   unset) for none.
 - ``HOCOMPILE_SELF_CHECK``: ``0``/``false``/``off`` turns off the sampled
   check of every compiled program against eager on its steps 1, 2, 4, …,
-  512 and every 1,000th after (runtime/self_check.py); on by default.
+  512 and every 1,000th after (runtime/check/self_check.py); on by default.
 - ``HOCOMPILE_STAMP``: ``0``/``false``/``off`` traces every param of a step
   instead of one representative per parameter class (classes/stamp.py); on
   by default.
@@ -120,7 +120,7 @@ class Settings:
     schedule: tuple[str, ...] = ()
     max_batch: int | None = None
     max_stack_bytes: int | None = None
-    verify: int = 0  # steps checked against eager after each compile (runtime/verify.py)
+    verify: int = 0  # steps checked against eager after each compile (runtime/check/verify.py)
     recompile_limit: int = 8
     fused_updates: bool = False  # see HOCOMPILE_FUSED_UPDATES above
     distributed: Distributed = Distributed.AUTO
@@ -128,7 +128,7 @@ class Settings:
     tp_mode: str = "auto"  # NS of a sharded (DTensor) matrix: "auto" (cost model) or one of TP_MODES' others
     stamp: bool = True  # trace one representative per parameter class where the step is proved separable
     warm_start: bool = False  # load compiled steps of earlier processes from cache_dir (runtime/warm.py)
-    self_check: bool = True  # check each program against eager on a sample of its steps (runtime/self_check.py)
+    self_check: bool = True  # check each program against eager on a sample of its steps (runtime/check/self_check.py)
 
     def __post_init__(self) -> None:
         # Settings(...) built directly may hold the plain strings: store the members

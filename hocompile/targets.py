@@ -60,7 +60,7 @@ class Target:
     # hocompile.precision.emulate.FORMATS); empty: the dtypes in ``gflops``.
     formats: tuple[str, ...] = ()
     # The machine running this process (calibrated here): Newton–Schulz plans
-    # are then chosen by timing the candidates (hocompile/passes/measure_ns.py),
+    # are then chosen by timing the candidates (hocompile/precision/measure_ns.py),
     # cached in ``cache_dir``; any other target is planned by the rates above.
     measured: bool = False
     cache_dir: Path | None = None

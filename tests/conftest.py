@@ -75,7 +75,7 @@ def cache_dir(tmp_path: Path, new_cache_dir: Callable[..., Path]) -> Path:
 @pytest.fixture(autouse=True, scope="module")
 def _parity_tests_verify_against_eager(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test of tests/test_parity.py runs with ``HOCOMPILE_VERIFY=1``: the first steps of each
-    compiled step are also checked against eager on copies (hocompile/runtime/verify.py)."""
+    compiled step are also checked against eager on copies (hocompile/runtime/check/verify.py)."""
     if request.module.__name__.rpartition(".")[2] != "test_parity":
         yield
         return

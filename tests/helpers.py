@@ -92,8 +92,8 @@ def emerging_muon(params: Any, **kw: Any) -> torch.optim.Optimizer:
 EXACT: dict[str, Any] = {"disable_passes": ("fuse-newton-schulz", "choose-algorithm")}
 
 # Every pass a single-process CPU step can meet: the default pipeline's, stack-members (added
-# for stamped steps, compile_step.with_stack_members) and stack-calls (for steps traced whole,
-# compile_step.step_pipeline). With all off the compiled step is eager's
+# for stamped steps, passes/pipeline.stamped_pipeline) and stack-calls (for steps traced whole,
+# passes/pipeline.step_pipeline). With all off the compiled step is eager's
 # own arithmetic, bit for bit: the documented promise the corpus, sweep and Scion tests check.
 EVERY_PASS_OFF: dict[str, Any] = {
     "disable_passes": (

@@ -75,14 +75,14 @@ def plant_a_wrong_plan() -> None:
     self-check must find it and fall back, through the wrapper)."""
     from helpers import PerturbLastAdd  # tests/helpers.py: this script runs from tests/
 
-    import hocompile.runtime.compile_step as compile_step
+    import hocompile.passes.pipeline as pipeline
 
-    default = compile_step.default_pipeline
+    default = pipeline.default_pipeline
 
     def planted(*args: typing.Any, **kwargs: typing.Any) -> typing.Any:
         return (*default(*args, **kwargs), PerturbLastAdd())
 
-    compile_step.default_pipeline = planted  # type: ignore[assignment]
+    pipeline.default_pipeline = planted  # type: ignore[assignment]
 
 
 def inner_names(wrapper: typing.Any) -> list[str]:

@@ -1,4 +1,4 @@
-"""The self-check's eager runs with bf16 GEMMs in fp32 where the CPU has no bf16 units (runtime/check_gemms.py).
+"""The self-check's eager runs with bf16 GEMMs in fp32 where the CPU has no bf16 units (runtime/check/gemms.py).
 
 On a CPU without AVX-512-BF16 or AMX, eager's bf16 GEMMs are ~60x slower than fp32 ones, and a
 program's first check ran eager's bf16 Muon on two members per class twice: 15 s where the compiled

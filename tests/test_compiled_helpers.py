@@ -279,9 +279,9 @@ def test_a_helper_whose_argument_is_read_after_the_call_is_not_called_in_place()
     for read_after, view_beside in ((False, False), (True, False), (False, True)):
         arguments = ((torch.ones(2), torch.ones(2)), {"betas": (0.9, 0.99), "step": 1})
         _, spec = torch.utils._pytree.tree_flatten(arguments)
-        record = ch._Call(lion_helpers.update, _lion_update, spec, [ch._TENSOR] * 2 + [ch._SCALAR] * 3,
+        record = ch.CompiledCall(lion_helpers.update, _lion_update, spec, [ch.TENSOR_SLOT] * 2 + [ch.SCALAR_SLOT] * 3,
                           mutated=[1], outputs=1, int_scalars=[False, False, True])
-        key = ch._key_for(record)
+        key = ch.call_key(record)
         graph = fx.Graph()
         grad, avg, h = graph.placeholder("grad"), graph.placeholder("avg"), graph.placeholder("h")
         for n in (grad, avg):
@@ -315,16 +315,16 @@ def test_a_calls_arguments_are_rebuilt_as_pytree_would() -> None:
     pair = collections.namedtuple("pair", "a b")
     t0, t1 = torch.ones(2), torch.zeros(3)
     structures = [
-        ((t0, [t1, ch._SCALAR]), {"betas": (ch._SCALAR, ch._SCALAR), "step": ch._SCALAR, "flag": True}),
-        ((None, t0, "name", (t1,)), {3: ch._SCALAR, "nested": {"x": [t0, None]}}),
-        ((pair(t0, ch._SCALAR),), {}),
+        ((t0, [t1, ch.SCALAR_SLOT]), {"betas": (ch.SCALAR_SLOT, ch.SCALAR_SLOT), "step": ch.SCALAR_SLOT, "flag": True}),
+        ((None, t0, "name", (t1,)), {3: ch.SCALAR_SLOT, "nested": {"x": [t0, None]}}),
+        ((pair(t0, ch.SCALAR_SLOT),), {}),
     ]
     for structure in structures:
         leaves, spec = torch.utils._pytree.tree_flatten(structure)
-        constants = [ch._TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        constants = [ch.TENSOR_SLOT if isinstance(x, torch.Tensor) else x for x in leaves]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        scalars = [0.5 + i for i, x in enumerate(leaves) if x is ch._SCALAR]
-        record = ch._Call(None, None, spec, constants, int_scalars=[i % 2 == 1 for i in range(len(scalars))])
+        scalars = [0.5 + i for i, x in enumerate(leaves) if x is ch.SCALAR_SLOT]
+        record = ch.CompiledCall(None, None, spec, constants, int_scalars=[i % 2 == 1 for i in range(len(scalars))])
         built = ch._builder(record)(tensors, scalars)
         expected = ch._arguments(record, tensors, scalars)
         assert repr(built) == repr(expected)

@@ -1,4 +1,4 @@
-"""Structured decisions (hocompile/decisions.py): passes record dataclasses, reports render them,
+"""Structured decisions (hocompile/ir/decisions.py): passes record dataclasses, reports render them,
 the cache key hashes their choices only. Plans are made for table targets, so no GPU is needed."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 torch.optim's own fused step is one kernel call over every param: it runs as torch runs it
 (``counters.as_is``, an explain() line). A class that calls the kernels among its own code (here:
 subclasses whose ``step`` is their own) is compiled, the kernels captured as opaque
-``hocompile_torch::`` ops (hocompile/fused_kernels.py) that run torch's own kernel: every step is
+``hocompile_torch::`` ops (hocompile/capture/fused_kernels.py) that run torch's own kernel: every step is
 bitwise eager's, params and every state tensor, over 10 steps with an lr change (a Python float,
 or a tensor lr filled in place) and a state_dict round trip, with no recompile after the steady
 state. GradScaler: tests/test_runtime_robustness.py.

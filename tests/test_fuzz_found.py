@@ -11,7 +11,7 @@ code does between steps (noise, Python-int counters, bf16 params among fp32 ones
   rounds the scalar to bf16 first, where ``_foreach_mul`` + ``copy_`` (and ``mul``/``mul_``) compute
   in fp32, so the functionalised step differed by a bf16 unit (the self-check caught it and ran the
   program eagerly). The capture now tags the functional node of each in-place foreach call and the
-  lowering runs it with the in-place kernel on copies (hocompile/inplace_foreach.py).
+  lowering runs it with the in-place kernel on copies (hocompile/capture/inplace_foreach.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Data-dependent host reads split the step (hocompile/host_reads.py): a value the step reads on
+"""Data-dependent host reads split the step (hocompile/capture/host_reads.py): a value the step reads on
 the host (``if t > 0``, ``min(t, x)``, ``.item()`` as a Python scale) is computed first, read
 once as eager reads it, and the step compiled for it runs; before, each of these was refused.
 Every case is bitwise eager over steps whose reads change value and outcome.

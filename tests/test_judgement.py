@@ -1,4 +1,4 @@
-"""The judgement itself (hocompile/runtime/judgement.py): a change of summation order passes, a wrong step fails.
+"""The judgement itself (hocompile/runtime/check/judgement.py): a change of summation order passes, a wrong step fails.
 
 The candidate step is the optimizer's own eager step run under :class:`Rounding` with another seed — what
 another kernel or BLAS does to every sum — with or without an injected error: one element's update sign

@@ -9,7 +9,8 @@ them; ops/newton_schulz_math.py is the maths the precision planner shares with
 the op. targets (what the machine is good at) is numerics: the timing of NS
 candidates (precision/measure_ns.py) reads it. distributed/ (owner plans, the
 graph rewrites around collectives, TP Newton–Schulz, DTensor layouts the
-capture reads) sits with capture, below the passes that use it. A new
+capture reads) sits with capture, below the passes that use it. settings
+sits with the passes: passes/pipeline.py decides from them which passes run. A new
 top-level module must be given a layer here.
 """
 
@@ -29,12 +30,12 @@ from hocompile.settings import PRECISIONS, Backend, Fallback, Precision, Setting
 
 PACKAGE = Path(hocompile.__file__).parent
 LAYERS = {
-    "leaf": ("errors", "diskcache", "ir.dtypes", "ir.decisions", "ir.registry", "capture.scalars"),
+    "leaf": ("errors", "diskcache", "ir.dtypes", "ir.decisions", "ir.registry", "ir.declined", "capture.scalars"),
     "numerics": ("ops.newton_schulz_math", "precision", "optimizers", "targets"),
     "capture": ("capture", "ir", "ops", "distributed", "classes"),
-    "passes": ("passes",),
+    "passes": ("passes", "settings"),
     "lowering": ("lowering",),
-    "runtime": ("runtime", "settings", "dynamo"),
+    "runtime": ("runtime", "dynamo"),
 }
 ORDER = [*LAYERS, "top"]
 
@@ -115,3 +116,32 @@ def test_setting_choices_are_enums_that_read_as_strings() -> None:
     with pytest.raises(ValueError):
         Settings(precision="fp12")  # type: ignore[arg-type]
     assert PRECISIONS == PASS_PRECISIONS  # the pass validates the same names
+
+
+def test_no_import_circle() -> None:
+    """No module reaches itself through imports, counting lazy and TYPE_CHECKING ones: a circle is
+    read (and type-checked) as one module, and the runtime's checks once formed one with the optimizer."""
+    graph = {_module(path): _imports(path) for path in PACKAGE.rglob("*.py")}
+    circles = []
+    for start in graph:
+        seen, todo = set(), list(graph[start] & graph.keys())
+        while todo:
+            module = todo.pop()
+            if module == start:
+                circles.append(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                todo += graph[module] & graph.keys()
+    assert circles == []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name with a leading underscore is its module's own: another module that needs it gets a public one."""
+    reached = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            ours = isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("hocompile"))
+            if ours:
+                reached += [f"{_module(path)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert reached == []

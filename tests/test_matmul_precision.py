@@ -1,5 +1,5 @@
 """The float32 matmul precision a step's products ran under is the compiled step's too
-(hocompile/matmul_precision.py): emerging-optimizers and Megatron set ``fp32_matmul_prec`` around
+(hocompile/capture/matmul_precision.py): emerging-optimizers and Megatron set ``fp32_matmul_prec`` around
 Newton–Schulz, training scripts set it globally. On a CPU with bf16 units "medium" makes an fp32
 product bf16 (0.02 off after one step of the toy below): the compiled step, every pass off, ran it
 under the caller's "highest" and differed silently (self-check off) or fell back on every step."""

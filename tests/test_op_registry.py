@@ -22,7 +22,7 @@ from hocompile.ir.graph import graph_stats, print_graph
 from hocompile.ir.registry import Input, OpSpec, family_of, register, registered_calls, unregister
 from hocompile.ops.newton_schulz_spec import NEWTON_SCHULZ
 from hocompile.passes import BatchByShape, run_pipeline
-from hocompile.runtime.check.reference_step import _Float64
+from hocompile.runtime.check.reference_step import Float64Run
 from tests.test_expect_graphs import BATCHING
 from tests.toy_family import TOY, ToyRowNormalizeSpec, ToyRowNormSGD
 
@@ -138,7 +138,7 @@ def test_verify_reference_evaluates_the_toy_by_its_family_reference(nominal: boo
     gm = _captured()
     params = _params()
     inputs = [t for p in params for t in (p.double(), p.grad.double())]  # type: ignore[union-attr]
-    outputs = _Float64(gm, nominal).run(*inputs, -LR)
+    outputs = Float64Run(gm, nominal).run(*inputs, -LR)
     for out, p in zip(outputs, params):
         g = p.grad.double()  # type: ignore[union-attr]
         exact = p.double() - LR * g / g.norm(dim=-1, keepdim=True)

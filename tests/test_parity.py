@@ -3,7 +3,7 @@
 Tolerances. Capture and runtime are exact: without the Newton–Schulz passes
 the CPU lowering runs the very aten ops eager runs, in the same order, with
 host scalars computed by the same double-precision arithmetic in the same
-order (see hocompile/scalars.py), so those tests assert bitwise equality. The
+order (see hocompile/capture/scalars.py), so those tests assert bitwise equality. The
 pointwise optimizers are held to the 1e-6 relative bound. With the default
 pipeline Muon's NS is one fused op planned for the target (on a CPU without a
 bf16 GEMM it computes in fp32), so it no longer rounds where eager does; the

@@ -36,7 +36,7 @@ def test_dump_dir_has_graph_before_and_after_each_pass(tmp_path, monkeypatch, ca
         "08-batch-by-shape.after.txt", "08-batch-by-shape.before.txt",
         "09-choose-algorithm.after.txt", "09-choose-algorithm.before.txt",
         "10-choose-precision.after.txt", "10-choose-precision.before.txt",
-        "11-stack-calls.after.txt", "11-stack-calls.before.txt",  # a step traced whole (compile_step.step_pipeline)
+        "11-stack-calls.after.txt", "11-stack-calls.before.txt",  # a step traced whole (passes/pipeline.step_pipeline)
         "lowered.py",
     ]
     before = (first / "01-canonicalize.before.txt").read_text()

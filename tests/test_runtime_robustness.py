@@ -314,7 +314,7 @@ class _CachesATensor(torch.optim.Optimizer):
 
 def test_a_tensor_cache_the_step_fills_compiles(cache_dir) -> None:
     """Before: refused (the step changes opt.cache). A container on the optimizer is substituted now
-    (hocompile/capture_containers.py): the step that fills it compiles, bitwise eager."""
+    (hocompile/capture/container_trace.py): the step that fills it compiles, bitwise eager."""
     pair = Pair(_CachesATensor, SHAPES, cache_dir)
     for _ in range(3):
         pair.step()

@@ -1,4 +1,4 @@
-"""The self-check, on by default (hocompile/runtime/self_check.py): each compiled program checked
+"""The self-check, on by default (hocompile/runtime/check/self_check.py): each compiled program checked
 against eager on copies at its steps 1, 2, 4, …; a mismatch falls back to eager loudly, nothing applied.
 
 Wrong programs are planted three ways: a pass that drops a Newton–Schulz iteration (a wrong plan), a

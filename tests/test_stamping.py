@@ -206,8 +206,9 @@ def test_disjoint_views_of_one_base_are_stamped_bitwise_the_whole_trace() -> Non
     eager, _ = _expert_steps(None, compiled=False)
     assert torch.equal(_expert_steps(None, disable=("fuse-newton-schulz",))[0], eager)
     assert opt.history[-1].stamped is not None, opt.history[-1].stamp_note
-    text = hocompile.explain(opt)
-    assert "stamped: 1 parameter class(es), 8 params" in text and "c0: group 0, 8 params fp32[48, 128]" in text
+    (program,) = [p for p in hocompile.explain(opt).programs if p.number == len(opt.history)]
+    (described,) = program.classes
+    assert program.stamped and described.startswith("group 0, 8 params fp32[48, 128]"), program
 
 
 class EveryOtherStep(torch.optim.Optimizer):

@@ -1,4 +1,4 @@
-"""verify=N: each new compiled step is checked against eager (hocompile/runtime/verify.py).
+"""verify=N: each new compiled step is checked against eager (hocompile/runtime/check/verify.py).
 
 Plans are pinned to two CPU targets so the test does not depend on what this
 machine measures: one without a bf16 GEMM (fp32 NS, Gram NS for aspect ≥ 2)
@@ -208,7 +208,8 @@ def test_fallback_eager_warns_and_runs_eagerly_from_then_on(cache_dir: Any, capl
     assert opt.counters.eager_fallbacks == 4 and opt.counters.compiles == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("param_groups[0]['params'][1] (shape 8×24)" in w for w in warnings)
-    assert "runs eagerly from then on" in hocompile.explain(opt)
+    report = hocompile.explain(opt)
+    assert all(p.eager.startswith("verification against eager failed") for p in report.programs), report
 
 
 # ------------------------------------------------------------ settings, cost, side effects

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from .scalars import HyperParam
 
 
-def _is_int(x: HyperParam) -> bool:
+def eager_int(x: HyperParam) -> bool:
     """Whether eager has an int here (a step counter): the expression's value from the real inputs,
     with Python's own arithmetic, is one."""
     real = x.tracker.real_value(x.expr)
@@ -37,11 +37,11 @@ OP_NAME = "hocompile_torch::compiled_call"
 
 
 @dataclass
-class _Call:
+class CompiledCall:
     wrapper: Any  # the user's torch.compile'd function (Dynamo's wrapper)
     fn: Any  # the plain Python it wraps
     spec: Any  # of (args, kwargs), tensors taken out
-    constants: list[Any]  # the non-tensor leaves, TENSOR where a tensor goes (SCALAR: a host scalar)
+    constants: list[Any]  # the non-tensor leaves, TENSOR_SLOT where a tensor goes (SCALAR_SLOT: a host scalar)
     mutated: list[int] = field(default_factory=list)  # tensor arguments the function writes
     out_spec: Any = None
     outputs: int = 0  # tensors it returns
@@ -53,21 +53,23 @@ class _Call:
 
 # The dispatch-key sets of a thread outside any op (import time): what eager's calls run under.
 _TOP_LEVEL_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
-_CALLS: dict[int, _Call] = {}
-_SCALAR = object()  # in _Call.constants: a host scalar argument goes here (the op's ``scalars``)
-_TENSOR = object()  # ... and a tensor argument here (None is pytree's leaf too: an argument left None)
+CALLS: dict[int, CompiledCall] = {}
+SCALAR_SLOT = object()  # in CompiledCall.constants: a host scalar argument goes here (the op's ``scalars``)
+TENSOR_SLOT = object()  # ... and a tensor argument here (None is pytree's leaf too: an argument left None)
 
 
-def _arguments(call: _Call, tensors: list[Tensor], scalars: list[float]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _arguments(
+    call: CompiledCall, tensors: list[Tensor], scalars: list[float]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     it = iter(tensors)
     # An int in eager (a step counter) is an int again: the op's float list carries it exactly (< 2**53).
     sc = iter(int(v) if is_int else v for v, is_int in zip(scalars, call.int_scalars))
-    leaves = [next(it) if c is _TENSOR else next(sc) if c is _SCALAR else c for c in call.constants]
+    leaves = [next(it) if c is TENSOR_SLOT else next(sc) if c is SCALAR_SLOT else c for c in call.constants]
     args, kwargs = pytree.tree_unflatten(leaves, call.spec)
     return args, kwargs
 
 
-def _builder(call: _Call) -> Any:
+def _builder(call: CompiledCall) -> Any:
     """``(tensors, scalars) -> (args, kwargs)`` for ``call``, as Python made once per call record: pytree's
     unflatten costs ~5 us a call, a fifth of a small helper's (Lion's update of 64x64: ~25 us)."""
     if call.build is None:
@@ -77,8 +79,8 @@ def _builder(call: _Call) -> Any:
         def expr(spec: Any) -> str | None:
             if spec.is_leaf():
                 c = next(leaves)
-                if c is _TENSOR or c is _SCALAR:
-                    kind = int(c is _SCALAR)
+                if c is TENSOR_SLOT or c is SCALAR_SLOT:
+                    kind = int(c is SCALAR_SLOT)
                     i, counts[kind] = counts[kind], counts[kind] + 1
                     return f"t[{i}]" if not kind else f"int(s[{i}])" if call.int_scalars[i] else f"s[{i}]"
                 consts.append(c)
@@ -106,7 +108,7 @@ def _builder(call: _Call) -> Any:
 
 
 def _run(
-    call: _Call, fn: Any, tensors: list[Tensor], scalars: list[float], as_eager: bool = False, clone: str = "all"
+    call: CompiledCall, fn: Any, tensors: list[Tensor], scalars: list[float], as_eager: bool = False, clone: str = "all"
 ) -> list[Tensor]:
     """Call ``fn`` as the step calls the helper. ``clone``: which tensor arguments it gets copies of:
     "all" (the op's kernel: an op neither writes nor returns its inputs), "written" (those it writes: a
@@ -154,7 +156,7 @@ def _no_function_modes() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(mode)
 
 
-def _key_for(record: _Call) -> int:
+def call_key(record: CompiledCall) -> int:
     """The op's key: a digest of what the call is (the helper, where it is defined, the arguments'
     structure and constants, what it writes, the grad mode), so the same step gives the same graph,
     printed graph and cache key in every process. A different wrapper of the same description (the
@@ -162,44 +164,45 @@ def _key_for(record: _Call) -> int:
     fn = inspect.unwrap(record.fn)
     code = getattr(fn, "__code__", None)
     where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else ""
-    constants = ["<tensor>" if c is _TENSOR else "<scalar>" if c is _SCALAR else repr(c) for c in record.constants]
+    shown = {id(TENSOR_SLOT): "<tensor>", id(SCALAR_SLOT): "<scalar>"}
+    constants = [shown.get(id(c)) or repr(c) for c in record.constants]
     text = repr((getattr(fn, "__qualname__", repr(fn)), where, str(record.spec), constants, record.mutated,
                  record.int_scalars, record.grad_enabled))
     key = int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
-    while key in _CALLS and _CALLS[key].wrapper is not record.wrapper:
+    while key in CALLS and CALLS[key].wrapper is not record.wrapper:
         key += 1
-    _CALLS.setdefault(key, record)
+    CALLS.setdefault(key, record)
     return key
 
 
 def describe_key(key: int) -> str:
     """``name#digest`` of an op key: how graphs print it."""
-    call = _CALLS.get(key)
+    call = CALLS.get(key)
     name = getattr(call.fn, "__qualname__", "?") if call is not None else "?"
     return f"{name}#{key:012x}"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def compiled_call(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
-    call = _CALLS[key]
+    call = CALLS[key]
     return _run(call, call.wrapper, tensors, scalars, as_eager=True)
 
 
-def _one_tensor(call: _Call) -> bool:
+def _one_tensor(call: CompiledCall) -> bool:
     """Whether the helper returned one tensor, not in a container (None is pytree's leaf too)."""
     return call.out_spec is not None and call.out_spec.is_leaf() and call.out_nones == [False]
 
 
 def call_directly(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
     """The op's kernel without the dispatcher (~60 us a call), copying only what the helper writes."""
-    call = _CALLS[key]
+    call = CALLS[key]
     return _run(call, call.wrapper, tensors, scalars, as_eager=True, clone="written")
 
 
 def call_in_place(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
     """The helper writes the step's own tensors, as eager's call does (lowering/helper_calls.py says when).
     :func:`_run`'s work in short where the call returns one tensor (most updates), a few us a call less."""
-    call = _CALLS[key]
+    call = CALLS[key]
     if call.build is None or not _one_tensor(call):
         return _run(call, call.wrapper, tensors, scalars, as_eager=True, clone="none")
     args, kwargs = call.build(tensors, scalars)
@@ -215,11 +218,11 @@ def call_in_place(tensors: list[Tensor], scalars: list[float], key: int) -> list
 
 def written_arguments(key: int) -> tuple[list[int], int]:
     """(the tensor arguments a call writes, by position; how many tensors it returns before them)."""
-    call = _CALLS[key]
+    call = CALLS[key]
     return list(call.mutated), call.outputs
 
 
 @compiled_call.register_fake
 def _compiled_call_fake(tensors: list[Tensor], scalars: list[float], key: int) -> list[Tensor]:
-    call = _CALLS[key]
+    call = CALLS[key]
     return _run(call, call.fn, tensors, scalars)

@@ -43,7 +43,16 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compiled_calls import _CALLS, _SCALAR, _TENSOR, _Call, _is_int, _key_for, compiled_call, describe_key
+from .compiled_calls import (
+    CALLS,
+    SCALAR_SLOT,
+    TENSOR_SLOT,
+    CompiledCall,
+    call_key,
+    compiled_call,
+    describe_key,
+    eager_int,
+)
 from .executed_files import dynamo_wrapper_codes
 from .scalars import HyperParam
 
@@ -154,14 +163,15 @@ def _opaque(fn: Any, wrapper: Any, keep_products: bool) -> Any:
             return fn(*args, **kwargs)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         scalars = [x for x in leaves if isinstance(x, HyperParam)]
-        constants = [_TENSOR if isinstance(x, Tensor) else _SCALAR if isinstance(x, HyperParam) else x for x in leaves]
+        constants = [TENSOR_SLOT if isinstance(x, Tensor) else SCALAR_SLOT if isinstance(x, HyperParam) else x
+                     for x in leaves]
         assert probe is not None
-        record = _Call(
+        record = CompiledCall(
             wrapper, fn, spec, constants, mutated=probe.mutated, grad_enabled=torch.is_grad_enabled(),
-            int_scalars=[_is_int(x) for x in scalars],
+            int_scalars=[eager_int(x) for x in scalars],
         )
-        key = _key_for(record)
-        record = _CALLS[key]  # (the same call made before: one record, filled by the fake run below)
+        key = call_key(record)
+        record = CALLS[key]  # (the same call made before: one record, filled by the fake run below)
         outs = compiled_call(tensors, scalars, key)
         for i, value in zip(record.mutated, outs[record.outputs:]):
             tensors[i].copy_(value)
@@ -230,7 +240,7 @@ def opaque_compiled_helpers(opt: Any, step: Any, keep_products: bool, traced: di
 def opaque_names(gm: torch.fx.GraphModule) -> set[str]:
     """The helpers the graph calls as opaque ops, by qualified name."""
     op = torch.ops.hocompile_torch.compiled_call.default
-    calls = [_CALLS.get(n.args[2]) for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+    calls = [CALLS.get(n.args[2]) for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
     return {getattr(c.fn, "__qualname__", repr(c.fn)) for c in calls if c is not None}
 
 

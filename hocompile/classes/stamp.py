@@ -39,6 +39,7 @@ from ..capture.host_state import HostSlot
 from ..capture.scalars import Guard
 from ..capture.trace import CapturedStep, TraceView, capture, host_env
 from ..distributed.sharded import is_dtensor
+from ..ir.declined import Declined
 from ..ir.graph import is_fallible
 from .classify import ParamClass, classify, shared_storage
 from .separable import (
@@ -82,7 +83,7 @@ class Stamp:
         return [head] + [f"  c{k}: {c.describe()}" for k, c in enumerate(self.classes)]
 
 
-def _view(opt: torch.optim.Optimizer, classes: list[ParamClass], per_class: int) -> TraceView:
+def trace_view(opt: torch.optim.Optimizer, classes: list[ParamClass], per_class: int) -> TraceView:
     """Per group: the first (and last) members of each class, and every param without a grad
     (the full trace sees those too: a step that touched one would fail alike)."""
     keep: dict[int, set[int]] = {g: set() for g in range(len(opt.param_groups))}
@@ -209,7 +210,7 @@ def stamp_capture(
     structural: frozenset[str],
     lifted: frozenset[HostSlot] = frozenset(),
     opaque_helpers: bool = False,
-) -> tuple[CapturedStep, Stamp] | str:
+) -> tuple[CapturedStep, Stamp] | Declined:
     """The representatives' capture and its stamp, or why the step must be traced whole.
 
     ``lifted``: the Python numbers the step is known to rewrite (they do not split classes).
@@ -220,38 +221,38 @@ def stamp_capture(
     start = time.perf_counter()
     params = [p for group in opt.param_groups for p in group["params"]]
     if any(is_dtensor(p) for p in params):
-        return "DTensor params are traced whole (their routing plans across all matrices)"
+        return Declined("DTensor params are traced whole (their routing plans across all matrices)")
     classes = classify(opt, lifted)
     total = sum(len(c.members) for c in classes)
     traced = len(classes) + sum(min(2, len(c.members)) for c in classes)
     if traced >= total:
-        return f"{len(classes)} classes for {total} params: tracing one and two per class would cost as much"
+        return Declined(f"{len(classes)} classes for {total} params: tracing one and two per class would cost as much")
     boxed = containers_held(opt)
     if boxed:
-        return f"the step keeps tensors in containers ({boxed}): traced whole"
+        return Declined(f"the step keeps tensors in containers ({boxed}): traced whole")
     aliased = shared_storage(opt, classes)
     if aliased:
-        return f"{aliased}: their updates are not independent"
+        return Declined(f"{aliased}: their updates are not independent")
     for _ in range(4):  # members whose own counters take another branch get a class of their own
-        one = capture(opt, structural, _view(opt, classes, 1), opaque_helpers)
+        one = capture(opt, structural, trace_view(opt, classes, 1), opaque_helpers)
         split = _split_by_guards(opt, one, classes)
         if split is None:
             break
         classes = split
     else:
-        return "the params' own counters take too many different branches"
+        return Declined("the params' own counters take too many different branches")
     if one.trees or one.holds_containers:  # e.g. state["f"] = [L, R] on the first step
-        return "the step creates containers of tensors (a list or dict in its state): traced whole"
+        return Declined("the step creates containers of tensors (a list or dict in its state): traced whole")
     if one.reads:  # each member's value is its own read: one program per member, not per class
-        return "it reads tensor values on the host, each param its own (the step is split at every read)"
+        return Declined("it reads tensor values on the host, each param its own (the step is split at every read)")
     reason = _unstampable(one.gm)
     if reason:
-        return f"the step is traced whole: {reason}"
-    two = capture(opt, structural, _view(opt, classes, 2), opaque_helpers)
+        return Declined(f"the step is traced whole: {reason}")
+    two = capture(opt, structural, trace_view(opt, classes, 2), opaque_helpers)
     split_foreach(one.gm)
     split_foreach(two.gm)
     p1, p2 = partition(one.gm, one.outputs), partition(two.gm, two.outputs)
     problem = p1.problem or p2.problem or _compare(one, two, classes, p1, p2)
     if problem:
-        return f"not one program per param: {problem}"
+        return Declined(f"not one program per param: {problem}")
     return one, Stamp(tuple(classes), traced, time.perf_counter() - start)

@@ -49,7 +49,7 @@ Group = dist.ProcessGroup | str  # a process group or its name (FX graphs carry 
 
 @dataclass(frozen=True)
 class NSArgs:
-    """``hocompile::newton_schulz``'s arguments after ``x``, by name (see hocompile/ops.py)."""
+    """``hocompile::newton_schulz``'s arguments after ``x``, by name (see hocompile/ops/newton_schulz.py)."""
 
     a: Sequence[float]
     b: Sequence[float]

@@ -16,8 +16,9 @@ __all__ = [
 
 
 def register() -> None:
-    """Register the backend as ``"hocompile"`` with Dynamo (done on ``import hocompile``; the
-    package's ``torch_dynamo_backends`` entry point finds it without the import)."""
+    """Register the backend as ``"hocompile"`` with Dynamo, for a source tree that is not installed.
+    Installed, the package's ``torch_dynamo_backends`` entry point registers it when Dynamo first
+    looks the name up, and ``import hocompile`` registers nothing."""
     from importlib.metadata import entry_points
 
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend

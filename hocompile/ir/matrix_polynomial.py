@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .declined import Declined
+
 aten = torch.ops.aten
 Letter = tuple[fx.Node, bool]  # a node, transposed or not
 Word = tuple[Letter, ...]
@@ -198,7 +200,7 @@ def lincomb(node: fx.Node, stops: frozenset[fx.Node], max_degree: int = 5) -> Po
     return Expansion(stops, max_degree).poly(node)
 
 
-def odd_coefficients(poly: Poly, x: fx.Node, of_transpose: bool = False) -> tuple[float, float, float] | str:
+def odd_coefficients(poly: Poly, x: fx.Node, of_transpose: bool = False) -> tuple[float, float, float] | Declined:
     """(a, b, c) if ``poly`` is a X + b X·Xᵀ·X + c X·Xᵀ·X·Xᵀ·X with b or c nonzero; else why not.
 
     ``of_transpose``: the same in Y = Xᵀ (a Y + b Y·Yᵀ·Y + ...).
@@ -210,10 +212,10 @@ def odd_coefficients(poly: Poly, x: fx.Node, of_transpose: bool = False) -> tupl
         if weight == 0.0:
             continue
         if word not in index:
-            return f"it has a term {describe_word(word, x)}, not an odd power of X"
+            return Declined(f"it has a term {describe_word(word, x)}, not an odd power of X")
         coef[index[word]] += weight
     if coef[1] == 0.0 and coef[2] == 0.0:
-        return "it is a multiple of X, not an iteration"
+        return Declined("it is a multiple of X, not an iteration")
     return coef[0], coef[1], coef[2]
 
 

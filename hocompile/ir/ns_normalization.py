@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.scalars import Expr
+from .declined import Declined
 from .graph import ROLE
 from .matrix_polynomial import is_call, is_number, transposed
 
@@ -49,18 +50,18 @@ def scalar_arg(arg: Any) -> bool:
     )
 
 
-def safety_factor(node: Any) -> tuple[float | str, Any]:
-    """``node`` as ``s * base`` for a constant s (casts skipped); s is a reason when it is a hyperparameter."""
+def safety_factor(node: Any) -> tuple[float | Declined, Any]:
+    """``node`` as ``s * base`` for a constant s (casts skipped); s is Declined when it is a hyperparameter."""
     s = 1.0
     node = strip_casts(node)
     while is_call(node, aten.mul.Tensor, aten.div.Tensor) and not isinstance(node.args[1], fx.Node):
         if not is_number(node.args[1]) or node.args[1] == 0:
-            return f"the norm is scaled by {node.args[1]!r}", strip_casts(node.args[0])
+            return Declined(f"the norm is scaled by {node.args[1]!r}"), strip_casts(node.args[0])
         s = s * float(node.args[1]) if node.target is aten.mul.Tensor else s / float(node.args[1])
         node = strip_casts(node.args[0])
     if is_call(node, aten.mul.Tensor, aten.div.Tensor) and scalar_arg(node.args[1]):
         reason = f"the norm's safety factor {node.args[1].name} is a hyperparameter, not a constant"
-        return reason, strip_casts(node.args[0])
+        return Declined(reason), strip_casts(node.args[0])
     return s, node
 
 
@@ -74,8 +75,8 @@ class Normalization:
     s_out: float
 
 
-def normalization(div: fx.Node) -> Normalization | str | None:
-    """The normalisation ``div`` computes; None if it is none (an ordinary division), a str if it almost is."""
+def normalization(div: fx.Node) -> Normalization | Declined | None:
+    """The normalisation ``div`` computes; None if it is none (an ordinary division), Declined if it almost is."""
     x, denom = div.args[0], div.args[1]
     if not isinstance(x, fx.Node) or not isinstance(denom, fx.Node):
         return None
@@ -109,10 +110,10 @@ def normalization(div: fx.Node) -> Normalization | str | None:
     if ndim == 3 and not keepdim:
         return None  # [B] norms broadcast against the last dim, not per matrix
     for s in (s_in, s_out):
-        if isinstance(s, str):
+        if isinstance(s, Declined):
             return s
         if s <= 0.0:
-            return f"the norm is scaled by {s}, not a positive safety factor"
+            return Declined(f"the norm is scaled by {s}, not a positive safety factor")
     assert isinstance(s_in, float) and isinstance(s_out, float)
     return Normalization(x, y, eps, mode, s_in, s_out)
 

@@ -211,7 +211,7 @@ class BatchRule:
     transposed: Callable[[Any], bool] = lambda spec: False
     stack_bytes: Callable[[Any], int] | None = None  # bytes one member adds to the stack (input + output)
     # For families whose batched call runs one single-threaded library call (LAPACK) per
-    # matrix across the cores (families/per_matrix.py): whether that pays for this call on
+    # matrix across the cores (ops/per_matrix.py): whether that pays for this call on
     # a multi-core CPU, where stacking GEMM-bound ops does not (small matrices lose to the
     # thread hand-off). None: never on such a target.
     per_matrix_threads: Callable[[Any], bool] | None = None

@@ -29,6 +29,7 @@ from ..classes.separable import GLOBAL, MemberId, Partition, expr_members, membe
 from ..classes.stamp import Stamp
 from ..diskcache import DiskCache
 from ..ir.decisions import decision_of
+from ..ir.declined import Declined
 from ..ir.graph import ROLE, InputSlot
 from .aten import LoweredStep, cache_key, lower_to_aten
 from .list_mode import ListModeError, contiguous, to_list_mode
@@ -87,12 +88,14 @@ class Program:
     chunk: int = 1  # members per list-mode call (CHUNK_BYTES of temporaries at most)
 
 
-def split_programs(captured: CapturedStep, gm: fx.GraphModule, stamp: Stamp) -> tuple[Program, list[Program]] | str:
+def split_programs(
+    captured: CapturedStep, gm: fx.GraphModule, stamp: Stamp
+) -> tuple[Program, list[Program]] | Declined:
     """The global program and one program per class; or why the graph after the passes is no longer
     one program per member (a pass combined two classes' calls)."""
     part = partition(gm, captured.outputs)
     if part.problem:
-        return part.problem
+        return Declined(part.problem)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
     global_nodes = part.nodes_of(gm, GLOBAL)

@@ -20,7 +20,7 @@ own aten ops instead. The kernels' arithmetic is eager's up to rounding
 state stay within 1e-6 of eager (tests/test_fused_updates.py) but are not
 bitwise -- measured 1e-9..6e-8 after two steps (AdamW's exp_avg_sq, SGD
 with dampening or weight decay). The aten lowering is otherwise bitwise
-eager for these optimizers (runtime/verify.py holds it to that), so this is
+eager for these optimizers (runtime/check/verify.py holds it to that), so this is
 opt-in: ``HOCOMPILE_FUSED_UPDATES=1`` (settings.py).
 
     Before (one param)                             After

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch._ops import OpOverload
 
-from .writeback import _is_view, is_fallible, readers
+from .writeback import is_fallible, is_view_node, readers
 
 aten = torch.ops.aten
 
@@ -139,7 +139,7 @@ def _chain(value: fx.Node, dest: fx.Node) -> list[fx.Node]:
             break
         if not isinstance(producer.target, OpOverload) or len(producer.users) != 1:
             break
-        if _is_view(producer) or _occurrences(node, producer) != 1 or not _fits(producer, dest):
+        if is_view_node(producer) or _occurrences(node, producer) != 1 or not _fits(producer, dest):
             break
         chain.insert(0, producer)
         node = producer
@@ -159,7 +159,7 @@ def views_of(dest: fx.Node) -> set[fx.Node]:
     stack = list(dest.users)
     while stack:
         user = stack.pop()
-        if _is_view(user) and user not in out:
+        if is_view_node(user) and user not in out:
             out.add(user)
             stack += list(user.users)
     return out
@@ -199,7 +199,7 @@ def reinplace(graph: fx.Graph) -> list[Reinplaced]:
             continue
         if value.op != "call_function" or not isinstance(value.target, OpOverload) or value in returned:
             continue
-        if _is_view(value) or not _fits(value, dest):
+        if is_view_node(value) or not _fits(value, dest):
             continue
         chain = _chain(value, dest)
         old_readers = set(readers(dest)) - {copy}
@@ -251,14 +251,14 @@ def reuse_temporaries(graph: fx.Graph) -> list[str]:
     done: list[str] = []
     returned = set(next(n for n in graph.nodes if n.op == "output").all_input_nodes)
     for node in list(graph.nodes):
-        if node.op != "call_function" or not _pointwise(node) or not _updates_self(node) or _is_view(node):
+        if node.op != "call_function" or not _pointwise(node) or not _updates_self(node) or is_view_node(node):
             continue
         temp = node.args[0]
         if not isinstance(temp, fx.Node) or temp.op != "call_function" or temp in returned:
             continue
         if not isinstance(temp.target, OpOverload) or temp.target.namespace != "aten":
             continue
-        if _is_view(temp) and temp.name not in done:  # in place on a reused temporary is still one
+        if is_view_node(temp) and temp.name not in done:  # in place on a reused temporary is still one
             continue
         if len(temp.users) != 1 or _occurrences(node, temp) != 1 or not _fits(temp, node) or not _fits(node, node):
             continue

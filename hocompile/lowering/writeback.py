@@ -33,7 +33,7 @@ def write_fence(gm: fx.GraphModule) -> fx.Node | None:
     return next((n for n in reversed(gm.graph.nodes) if is_fallible(n)), None)
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view_node(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None:
         return False
@@ -49,7 +49,7 @@ def readers(node: fx.Node) -> list[fx.Node]:
         if user.op == "output":
             continue
         out.append(user)
-        if _is_view(user):
+        if is_view_node(user):
             stack += list(user.users)
     return out
 
@@ -67,7 +67,7 @@ def schedule_writebacks(gm: fx.GraphModule, copy_into: list[int | None]) -> list
     values = list(output.args[0])
     kept: list[int] = []
     for index, (value, dest_index) in enumerate(zip(values, copy_into)):
-        if dest_index is None or not isinstance(value, fx.Node) or value.op != "call_function" or _is_view(value):
+        if dest_index is None or not isinstance(value, fx.Node) or value.op != "call_function" or is_view_node(value):
             kept.append(index)
             continue
         dest = placeholders[dest_index]

@@ -30,7 +30,7 @@ dot product rounded once, so the rounding model is unchanged. The earlier
 k×k-block version paid two copies per block (16 ``copy_`` calls per product
 at k = 4: 644 ms of a 3.2 s bf16 step on an AMX CPU, issue 13); block rows
 pay k writes and one mirror. Whether it is faster depends on the CPU and the
-dtype: choose-algorithm measures it (passes/measure_ns.py). Measured here
+dtype: choose-algorithm measures it (precision/measure_ns.py). Measured here
 (AVX-512-bf16, bf16 ``X Xᵀ``): 768×3072 1.3–1.5× faster with 3–4 row blocks.
 """
 

@@ -69,7 +69,7 @@ class BatchByShape(Pass):
             )
             # Except the families whose batched call is one LAPACK call per matrix, one
             # thread each: on several cores that beats eager's loop of multi-threaded calls
-            # (SOAP's QR refresh from n = 256; families/eigenbasis.py). MOP's polar does not
+            # (SOAP's QR refresh from n = 256; ops/eigenbasis.py). MOP's polar does not
             # opt in: its exact path is bitwise eager, one-thread SVDs round differently.
             calls = [(n, f) for n, f in calls if self.per_matrix_threads and _threads_pay(n, f)]
             if not calls:

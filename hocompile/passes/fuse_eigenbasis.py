@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
+from ..ir.declined import Declined
 from ..ir.matrix_polynomial import is_call
 from ..ops.eigenbasis import PowerQRSpec, RayleighOrderSpec
 from .base import Pass, PassResult, with_declines
@@ -75,8 +76,8 @@ class FuseEigenbasis(Pass):
             if not is_call(node, aten.linalg_qr.default):
                 continue
             match = _match(node)
-            if isinstance(match, str):
-                reasons.append(self.decline(f"{node.name}: {match}"))
+            if isinstance(match, Declined):
+                reasons.append(self.decline(f"{node.name}: {match.reason}"))
                 continue
             _replace(gm, match)
             fused += 1
@@ -126,59 +127,59 @@ def _is_symmetric(node: fx.Node) -> bool:
     return False
 
 
-def _diag_source(d: Any) -> tuple[fx.Node, fx.Node] | str:
+def _diag_source(d: Any) -> tuple[fx.Node, fx.Node] | Declined:
     """(L, Q) for ``d = ((Qᵀ @ L) * Qᵀ).sum(1)``, or why ``d`` is not that diagonal."""
     if not is_call(d, aten.sum.dim_IntList) or list(d.args[1]) != [1] or d.kwargs or len(d.args) > 2:
-        return "sort key is not a row sum"
+        return Declined("sort key is not a row sum")
     prod = d.args[0]
     if not is_call(prod, aten.mul.Tensor) or _only_user(prod) is not d:
-        return "sort key is not the row sum of a product read only there"
+        return Declined("sort key is not the row sum of a product read only there")
     for qtl, qt in (prod.args, prod.args[::-1]):
         q = _transpose_of(qt)
         if q is None or not is_call(qtl, aten.mm.default) or _transpose_of(qtl.args[0]) is not q:
             continue
         if _only_user(qtl) is not prod:
-            return f"Qᵀ L ({qtl.name}) is read elsewhere: it must be computed anyway"
+            return Declined(f"Qᵀ L ({qtl.name}) is read elsewhere: it must be computed anyway")
         return qtl.args[1], q
-    return "sort key is not diag(Qᵀ L Q) spelled ((Qᵀ @ L) * Qᵀ).sum(1)"
+    return Declined("sort key is not diag(Qᵀ L Q) spelled ((Qᵀ @ L) * Qᵀ).sum(1)")
 
 
-def _match(qr: fx.Node) -> _Match | str:
+def _match(qr: fx.Node) -> _Match | Declined:
     """The eigenbasis refresh ending in ``qr``, or why this QR is not one."""
     mode = qr.args[1] if len(qr.args) > 1 else qr.kwargs.get("mode", "reduced")
     if mode != "reduced":
-        return f"QR mode {mode!r}: only the reduced Q is an orthogonal-iteration step"
+        return Declined(f"QR mode {mode!r}: only the reduced Q is an orthogonal-iteration step")
     outs = _getitems(qr)
     if outs is None or set(outs) != {0}:
-        return "R of the QR is read: the op returns Q only"
+        return Declined("R of the QR is read: the op returns Q only")
     x: Any = qr.args[0]
     if not is_call(x, aten.mm.default) or _only_user(x) is not qr:
-        return "QR input is not a product L @ Q[:, order] read only by the QR"
+        return Declined("QR input is not a product L @ Q[:, order] read only by the QR")
     factor: Any = x.args[0]
     gathered: Any = x.args[1]
     val = factor.meta["val"]
     if val.dim() != 2 or val.shape[0] != val.shape[1]:
-        return f"factor {tuple(val.shape)} is not a square matrix"
+        return Declined(f"factor {tuple(val.shape)} is not a square matrix")
     if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 2 and gathered.args[1][0] is None):
-        return "QR input's right factor is not a column gather Q[:, order]"
+        return Declined("QR input's right factor is not a column gather Q[:, order]")
     basis: Any = gathered.args[0]
     order: Any = gathered.args[1][1]
     if _only_user(gathered) is not x:
-        return "Q[:, order] is read elsewhere (the op does not return it)"
+        return Declined("Q[:, order] is read elsewhere (the op does not return it)")
     if not is_call(order, operator.getitem) or order.args[1] != 1:
-        return "column order is not the indices of a sort"
+        return Declined("column order is not the indices of a sort")
     sort: Any = order.args[0]
     if not is_call(sort, aten.sort.default) or tuple(sort.args[1:]) not in ((-1, True), (0, True)) or sort.kwargs:
-        return "column order is not a descending sort (argsort(descending=True))"
+        return Declined("column order is not a descending sort (argsort(descending=True))")
     if set(_getitems(sort) or {-1}) != {1}:
-        return "the sorted values are read: only the order is computed"
+        return Declined("the sorted values are read: only the order is computed")
     source = _diag_source(sort.args[0])
-    if isinstance(source, str):
+    if isinstance(source, Declined):
         return source
     if source != (factor, basis):
-        return "the sort's L and Q are not the QR's L and Q"
+        return Declined("the sort's L and Q are not the QR's L and Q")
     if not _is_symmetric(factor):
-        return f"cannot prove {factor.name} symmetric (a Gram or lerp(state, Gram)): Qᵀ L = (L Q)ᵀ needs it"
+        return Declined(f"cannot prove {factor.name} symmetric (a Gram or lerp(state, Gram)): Qᵀ L = (L Q)ᵀ needs it")
     return _Match(factor, basis, sort, order, qr, outs[0])
 
 

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
+from ..ir.declined import Declined
 from ..ir.matrix_polynomial import is_call, is_number
 from ..ops.factor_update import FactorUpdateSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
@@ -49,13 +50,13 @@ def _transpose_of(node: Any) -> Any:
     return None
 
 
-def _gram(a: Any, b: Any) -> tuple[fx.Node, str] | str:
+def _gram(a: Any, b: Any) -> tuple[fx.Node, str] | Declined:
     """(G, side) for the product ``a @ b`` = ``G Gᵀ`` (left) or ``Gᵀ G`` (right), or why not."""
     if _transpose_of(b) is a and isinstance(a, fx.Node):
         return a, "left"
     if _transpose_of(a) is b and isinstance(b, fx.Node):
         return b, "right"
-    return "the product is not the Gram of one matrix (G Gᵀ or Gᵀ G)"
+    return Declined("the product is not the Gram of one matrix (G Gᵀ or Gᵀ G)")
 
 
 def _scalar(value: Any) -> bool:
@@ -63,16 +64,16 @@ def _scalar(value: Any) -> bool:
     return is_number(value) or (isinstance(value, fx.Node) and value.op == "placeholder")
 
 
-def _match(node: fx.Node) -> FactorUpdateSpec | str:
+def _match(node: fx.Node) -> FactorUpdateSpec | Declined:
     """The spec of the factor update ending in ``node`` (a lerp or addmm), or why it is none."""
     factor: Any = node.args[0]
     if not isinstance(factor, fx.Node) or factor.meta["val"].dim() != 2:
-        return "factor is not a matrix (batched factors are batch-by-shape's)"
+        return Declined("factor is not a matrix (batched factors are batch-by-shape's)")
     if is_call(node, aten.lerp.Scalar):
         product: Any = node.args[1]
         weight: Any = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
         if len(product.users) != 1:
-            return f"the Gram {product.name} is read elsewhere too (it must be computed anyway)"
+            return Declined(f"the Gram {product.name} is read elsewhere too (it must be computed anyway)")
         found = _gram(*product.args)
         form = "lerp"
         beta_value: Any = 1.0
@@ -80,10 +81,10 @@ def _match(node: fx.Node) -> FactorUpdateSpec | str:
         values = dict(zip(("self", "mat1", "mat2"), node.args)) | dict(node.kwargs)
         found = _gram(values["mat1"], values["mat2"])
         form, beta_value, weight = "addmm", values.get("beta", 1.0), values.get("alpha", 1.0)
-    if isinstance(found, str):
-        return found + (" (REKLS's KL-Shampoo G C Gᵀ is not covered)" if form == "lerp" else "")
+    if isinstance(found, Declined):
+        return Declined(found.reason + (" (REKLS's KL-Shampoo G C Gᵀ is not covered)" if form == "lerp" else ""))
     if not (_scalar(weight) and _scalar(beta_value)):
-        return "weight or beta is a tensor, not a (host) scalar"
+        return Declined("weight or beta is a tensor, not a (host) scalar")
     g, side = found
     return FactorUpdateSpec(factor=factor, g=g, side=side, form=form, weight=weight, beta=beta_value)
 
@@ -106,8 +107,8 @@ class FuseFactorUpdate(Pass):
             if not (lerp_of_product or is_call(node, aten.addmm.default)):
                 continue
             spec = _match(node)
-            if isinstance(spec, str):
-                reasons.append(self.decline(f"{node.name}: {spec}"))
+            if isinstance(spec, Declined):
+                reasons.append(self.decline(f"{node.name}: {spec.reason}"))
                 continue
             replace_with_op(gm, node, spec)
             gm.graph.erase_node(node)

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..ir.declined import Declined
 from ..ir.matrix_polynomial import is_call, is_number
 from ..ops.inverse_root import InverseRootSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
@@ -80,39 +81,39 @@ def _reads_both(eigh: fx.Node) -> bool:
     return {u.args[1] for u in eigh.users if is_call(u, operator.getitem)} >= {0, 1}
 
 
-def _match_eigh(eigh: fx.Node) -> tuple[InverseRootSpec, fx.Node] | str:
+def _match_eigh(eigh: fx.Node) -> tuple[InverseRootSpec, fx.Node] | Declined:
     """(spec, the product it replaces) for the eigh-path root starting at ``eigh``, or why not."""
     a: Any = eigh.args[0]
     if eigh.kwargs or len(eigh.args) > 1 and (list(eigh.args[1:]) not in (["L"], ["L", True])):
-        return "eigh with non-default UPLO/compute_v"
+        return Declined("eigh with non-default UPLO/compute_v")
     if not isinstance(a, fx.Node) or a.meta["val"].dim() != 2:
-        return "eigh of a batched input (batch-by-shape stacks matrices)"
+        return Declined("eigh of a batched input (batch-by-shape stacks matrices)")
     outs: dict[Any, fx.Node] = {u.args[1]: u for u in eigh.users if is_call(u, operator.getitem)}
     if len(outs) != len(eigh.users) or set(outs) != {0, 1}:
-        return "eigh result read other than as (eigenvalues, eigenvectors)"
+        return Declined("eigh result read other than as (eigenvalues, eigenvectors)")
     values, vectors = outs[0], outs[1]
     clamp = _only_user(values)
     if not (is_call(clamp, aten.clamp_min.default) and clamp.args[1] in (0, 0.0)):
-        return "eigenvalues not clamped at 0 and read only there"
+        return Declined("eigenvalues not clamped at 0 and read only there")
     shift = _only_user(clamp)
     if not (is_call(shift, aten.add.Tensor) and shift.args[0] is clamp and not shift.kwargs and _scalar(shift.args[1])):
-        return "clamped eigenvalues not shifted by a scalar ε"
+        return Declined("clamped eigenvalues not shifted by a scalar ε")
     power = _only_user(shift)
     root = _root_of(power.args[1], -1.0) if is_call(power, aten.pow.Tensor_Scalar) else None
     if root is None:
-        return "eigenvalues not raised to -1/p for an integer p"
+        return Declined("eigenvalues not raised to -1/p for an integer p")
     column = _only_user(power)
     if not (is_call(column, aten.unsqueeze.default) and column.args[1] in (-2, 0)):
-        return "scales not applied as a row (unsqueeze(-2))"
+        return Declined("scales not applied as a row (unsqueeze(-2))")
     scaled = _only_user(column)
     if not (is_call(scaled, aten.mul.Tensor) and list(scaled.args) == [vectors, column]):
-        return "eigenvectors not scaled as Q * s[None, :]"
+        return Declined("eigenvectors not scaled as Q * s[None, :]")
     if len(vectors.users) != 2:
-        return "eigenvectors read beyond Q diag(s) Qᵀ"
+        return Declined("eigenvectors read beyond Q diag(s) Qᵀ")
     vt = next(u for u in vectors.users if u is not scaled)
     product = _only_user(scaled)
     if _transpose_of(vt) is not vectors or not is_call(product, aten.mm.default) or list(product.args) != [scaled, vt]:
-        return "not (Q * s) @ Qᵀ"
+        return Declined("not (Q * s) @ Qᵀ")
     return InverseRootSpec(a=a, root=root, epsilon=shift.args[1], method="eigh"), product
 
 
@@ -154,17 +155,17 @@ def _scales_eye(eye: fx.Node) -> bool:
     return any(is_call(u, aten.mul.Tensor) and u.args[0] is eye and _scalar(u.args[1]) for u in eye.users)
 
 
-def _match_newton(eye: fx.Node) -> tuple[InverseRootSpec, fx.Node] | str:
+def _match_newton(eye: fx.Node) -> tuple[InverseRootSpec, fx.Node] | Declined:
     """(spec, the symmetrised result) for the coupled Newton root built on ``eye``, or why not."""
     n = eye.meta["val"].shape[0]
     ridge_eps = next((u for u in eye.users if is_call(u, aten.mul.Tensor) and u.args[0] is eye), None)
     ridge = _only_user(ridge_eps)
     if ridge_eps is None or not _scalar(ridge_eps.args[1]) or not is_call(ridge, aten.add.Tensor) or ridge.kwargs:
-        return "eye(n) is not used as A + ε·I"
+        return Declined("eye(n) is not used as A + ε·I")
     a: Any = ridge.args[0]
     eps: Any = ridge_eps.args[1]
     if ridge.args[1] is not ridge_eps or not isinstance(a, fx.Node) or tuple(a.meta["val"].shape) != (n, n):
-        return "not A + ε·I for an n×n A"
+        return Declined("not A + ε·I for an n×n A")
     norm = _user(ridge, aten.linalg_vector_norm.default)
     doubled = _only_user(norm)
     inverse = _only_user(doubled)
@@ -177,17 +178,17 @@ def _match_newton(eye: fx.Node) -> tuple[InverseRootSpec, fx.Node] | str:
         and is_call(inverse, aten.reciprocal.default)
         and is_call(z, aten.mul.Tensor)
     ):
-        return "no z = (p + 1) / (2 ‖A + εI‖_F)"
+        return Declined("no z = (p + 1) / (2 ‖A + εI‖_F)")
     root = round(z.args[1] - 1.0) if is_number(z.args[1]) else 0
     if root < 1 or z.args[1] != root + 1.0:
-        return "scale numerator is not p + 1 for an integer p"
+        return Declined("scale numerator is not p + 1 for an integer p")
     x0_scale = _user(z, aten.pow.Tensor_Scalar)
     x = _only_user(x0_scale)
     m = _user(z, aten.mul.Tensor)
     if x0_scale is None or x0_scale.args[1] != 1.0 / root or not is_call(x, aten.mul.Tensor) or x.args[1] is not eye:
-        return "X₀ is not z^(1/p)·I"
+        return Declined("X₀ is not z^(1/p)·I")
     if m is None or m is x or list(m.args) != [z, ridge] or len(ridge.users) != 2:
-        return "M₀ is not z·(A + εI)"
+        return Declined("M₀ is not z·(A + εI)")
     iterations = 0
     while True:
         # M is read twice: by this scaling and by the T^p @ M that updates it
@@ -199,13 +200,13 @@ def _match_newton(eye: fx.Node) -> tuple[InverseRootSpec, fx.Node] | str:
             break
         step = _only_user(x)
         if not (is_call(step, aten.mm.default) and list(step.args) == [x, t]):
-            return f"iteration {iterations + 1}: X is not updated as X @ T"
+            return Declined(f"iteration {iterations + 1}: X is not updated as X @ T")
         x, iterations = step, iterations + 1
         m = next((u for u in _mm_users(t) if _power_of(u.args[0], t, root) and u.args[1] is m), None)
         if m is None and len(t.users) > 1:
-            return f"iteration {iterations}: M is not updated as matrix_power(T, p) @ M"
+            return Declined(f"iteration {iterations}: M is not updated as matrix_power(T, p) @ M")
     if iterations == 0:
-        return "no Newton iteration found after M₀"
+        return Declined("no Newton iteration found after M₀")
     plus = _user(x, aten.add.Tensor)  # X is read by this add and by the permute it adds
     half = _only_user(plus)
     if not (
@@ -216,7 +217,7 @@ def _match_newton(eye: fx.Node) -> tuple[InverseRootSpec, fx.Node] | str:
         and half.args[1] == 0.5
         and len(x.users) == 2
     ):
-        return "the result is not symmetrised as (X + Xᵀ)·0.5"
+        return Declined("the result is not symmetrised as (X + Xᵀ)·0.5")
     return InverseRootSpec(a=a, root=root, epsilon=eps, method="newton", iterations=iterations), half
 
 
@@ -253,8 +254,8 @@ class FuseInverseRoot(Pass):
                 match = _match_newton(node)
             else:
                 continue
-            if isinstance(match, str):
-                reasons.append(self.decline(f"{node.name}: {match}"))
+            if isinstance(match, Declined):
+                reasons.append(self.decline(f"{node.name}: {match.reason}"))
                 continue
             matches.append(match)
         for spec, end in matches:

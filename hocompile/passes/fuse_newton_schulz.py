@@ -71,6 +71,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
+from ..ir.declined import Declined
 from ..ir.matrix_polynomial import Expansion, identity_shift, is_call, is_number, odd_coefficients, reads, transposed
 from ..ir.ns_normalization import back_through_layout, is_cast, layout_step, normalization, one_dtype_change
 from ..ops.newton_schulz_spec import NewtonSchulzSpec
@@ -108,12 +109,11 @@ class FuseNewtonSchulz(Pass):
         for node in list(gm.graph.nodes):
             if node.graph is not gm.graph or not is_call(node, aten.div.Tensor):
                 continue
-            chain, reason = _match(node, order)
-            if chain is not None and any(chain.end is n for n in fused_ends):
+            chain = _match(node, order)
+            if isinstance(chain, Declined):
+                reasons.append(self.decline(f"{node.name}: {chain.reason}"))
                 continue
-            if chain is None:
-                if reason:
-                    reasons.append(self.decline(f"{node.name}: {reason}"))
+            if chain is None or any(chain.end is n for n in fused_ends):
                 continue
             _replace(gm, chain)
             fused_ends.append(chain.end)
@@ -141,22 +141,23 @@ def _gram_of(node: Any) -> Any:
 # ------------------------------------------------------------------ the chain
 
 
-def _match(div: fx.Node, order: dict[fx.Node, int]) -> tuple[_Chain | None, str]:
+def _match(div: fx.Node, order: dict[fx.Node, int]) -> _Chain | Declined | None:
+    """The NS chain starting at ``div``; None if ``div`` is an ordinary division (nothing to report)."""
     norm = normalization(div)
     if norm is None:
-        return None, ""  # an ordinary division: not a candidate, nothing to report
-    if isinstance(norm, str):
-        return None, norm
+        return None
+    if isinstance(norm, Declined):
+        return norm
     numerator = back_through_layout(norm.x)
     source = numerator[-1]
     if back_through_layout(norm.y)[-1] is not source:
-        return None, f"the norm is taken of {norm.y.name}, not of the matrix {norm.x.name} it divides"
+        return Declined(f"the norm is taken of {norm.y.name}, not of the matrix {norm.x.name} it divides")
     X = div
     while len(X.users) == 1 and layout_step(next(iter(X.users))) is X:
         X = next(iter(X.users))  # cast to the iteration dtype and/or transpose to wide after normalising
     preamble = list(reversed(numerator)) + _forward(div, X)
     if not one_dtype_change(preamble):
-        return None, f"{source.name} is cast through more than one dtype before the iterations"
+        return Declined(f"{source.name} is cast through more than one dtype before the iterations")
     flips = sum(1 for n in preamble if transposed(n) is not None)
     iterations: list[_Iteration] = []
     step = _next_iterate(X, order)
@@ -167,7 +168,7 @@ def _match(div: fx.Node, order: dict[fx.Node, int]) -> tuple[_Chain | None, str]
         step = _next_iterate(whole.node, order)
         iterations.append(whole if isinstance(step, tuple) else core)
     if not iterations:
-        return None, f"{_NO_ITERATIONS} ({step})"
+        return Declined(f"{_NO_ITERATIONS} ({step.reason})")
     coefficients = [it.coefficients for it in iterations]
     X = iterations[-1].node
     flips += sum(it.flipped for it in iterations)  # iterations on Xᵀ (transposes folded into readers)
@@ -176,10 +177,10 @@ def _match(div: fx.Node, order: dict[fx.Node, int]) -> tuple[_Chain | None, str]
     if shifted and compute in (torch.float32, torch.float64):
         # Measured (16x32 to 64x256, fp32): (a I + B) X is 1.5-2x closer to fp64 than the op's
         # a X + B X, outside the 1.25x budget; in bf16 it is the other way round (2x).
-        return None, f"eager computes (a·I + B)·X in {compute}, more accurate there than the op's a·X + B·X"
+        return Declined(f"eager computes (a·I + B)·X in {compute}, more accurate there than the op's a·X + B·X")
     end = _end(X, flips % 2)
     if end is None:
-        return None, "transposed to wide but the result is not transposed back"
+        return Declined("transposed to wide but the result is not transposed back")
     scale = norm.s_in * norm.s_out
     if scale != 1.0:
         a, b, c = coefficients[0]
@@ -193,7 +194,7 @@ def _match(div: fx.Node, order: dict[fx.Node, int]) -> tuple[_Chain | None, str]
     # Gram matrix of a tall X (more FLOPs, and Gram NS diverges on it: measured 5e9 relative error).
     rows, cols = source.meta["val"].shape[-2:]
     transpose = bool(rows > cols)
-    return _Chain(source, eps, norm.eps_mode, input_scale, transpose, compute, coefficients, end), ""
+    return _Chain(source, eps, norm.eps_mode, input_scale, transpose, compute, coefficients, end)
 
 
 def _forward(start: fx.Node, stop: fx.Node) -> list[fx.Node]:
@@ -231,7 +232,7 @@ class _Iteration:
     shifted: bool  # adds a multiple of the identity (Horner form)
 
 
-def _next_iterate(X: fx.Node, order: dict[fx.Node, int]) -> tuple[_Iteration, _Iteration] | str:
+def _next_iterate(X: fx.Node, order: dict[fx.Node, int]) -> tuple[_Iteration, _Iteration] | Declined:
     """The next iteration after X, whole and without a trailing scale or transpose; else why there is none.
 
     Every node reachable from X through products, linear combinations and
@@ -262,9 +263,9 @@ def _next_iterate(X: fx.Node, order: dict[fx.Node, int]) -> tuple[_Iteration, _I
             continue
         leak = _leak(ex, node)
         coefficients, flipped = odd_coefficients(poly, X), 0
-        if isinstance(coefficients, str) and isinstance(of_transpose := odd_coefficients(poly, X, True), tuple):
+        if isinstance(coefficients, Declined) and isinstance(of_transpose := odd_coefficients(poly, X, True), tuple):
             coefficients, flipped = of_transpose, 1  # an odd polynomial in Xᵀ has Xᵀ's shape
-        if others or isinstance(coefficients, str):
+        if others or isinstance(coefficients, Declined):
             # Only what looks like a whole iteration (a X + more, nothing else reading its parts) says
             # why it is not one; a part (A, A², X * a) says nothing.
             linear = poly.get(((X, False),), 0.0) or poly.get(((X, True),), 0.0)
@@ -278,10 +279,10 @@ def _next_iterate(X: fx.Node, order: dict[fx.Node, int]) -> tuple[_Iteration, _I
         found[node] = coefficients, flipped
     if not found:
         if why:  # the latest candidate got furthest
-            return why[max(why, key=lambda n: order.get(n, -1))]
+            return Declined(why[max(why, key=lambda n: order.get(n, -1))])
         if ex.too_high:
-            return f"{ex.too_high[0].name} is a product of degree above 5 in {X.name}"
-        return f"no X Xᵀ product of {X.name}"
+            return Declined(f"{ex.too_high[0].name} is a product of degree above 5 in {X.name}")
+        return Declined(f"no X Xᵀ product of {X.name}")
     node = core = max(found, key=lambda n: order.get(n, -1))
     # A scalar multiple (``X * 0.2``, ``X.mul(1.0)``) or the transpose of an iterate: that iterate, then
     # a scale or a transpose.

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
+from ..ir.declined import Declined
 from ..ir.matrix_polynomial import is_call
 from ..ops.polar import METHODS, PolarSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
@@ -73,8 +74,8 @@ class FusePolar(Pass):
             if not is_call(node, aten._linalg_svd.default):
                 continue
             match = _match(node)
-            if isinstance(match, str):
-                reasons.append(self.decline(f"{node.name}: {match}"))
+            if isinstance(match, Declined):
+                reasons.append(self.decline(f"{node.name}: {match.reason}"))
                 continue
             _replace(gm, match, self.method)
             fused += 1
@@ -92,13 +93,13 @@ def _svd_options(svd: fx.Node) -> tuple[bool, bool, Any]:
     return bool(values.get("full_matrices", False)), bool(values.get("compute_uv", True)), values.get("driver")
 
 
-def _outputs(svd: fx.Node) -> dict[int, fx.Node] | str:
+def _outputs(svd: fx.Node) -> dict[int, fx.Node] | Declined:
     """U, S, Vh by index: the getitems reading the svd (one each), or why not."""
     outs: dict[int, fx.Node] = {}
     for user in svd.users:
         index = user.args[1] if is_call(user, operator.getitem) else None
         if not isinstance(index, int) or index in outs:
-            return f"svd result read as a whole by {user.name}"
+            return Declined(f"svd result read as a whole by {user.name}")
         outs[index] = user
     return outs
 
@@ -121,42 +122,42 @@ def _is_total_sum(node: Any, s: fx.Node) -> bool:
     return False
 
 
-def _match(svd: fx.Node) -> _Match | str:
+def _match(svd: fx.Node) -> _Match | Declined:
     """The polar factor computed from ``svd``, or why this svd is not one."""
     source = svd.args[0]
     if not isinstance(source, fx.Node):
-        return "svd of a constant"
+        return Declined("svd of a constant")
     full, compute_uv, driver = _svd_options(svd)
     if not compute_uv:
-        return "singular values only (compute_uv=False): no polar factor"
+        return Declined("singular values only (compute_uv=False): no polar factor")
     if driver is not None:
-        return f"explicit svd driver {driver!r}"
+        return Declined(f"explicit svd driver {driver!r}")
     x = source.meta["val"]
     if x.dim() != 2:
-        return f"batched {x.dim()}-D svd input; fuse-polar matches matrices (batch-by-shape stacks them)"
+        return Declined(f"batched {x.dim()}-D svd input; fuse-polar matches matrices (batch-by-shape stacks them)")
     if full and x.shape[0] != x.shape[1]:
-        return "full_matrices=True on a non-square matrix: U @ Vh is no polar factor"
+        return Declined("full_matrices=True on a non-square matrix: U @ Vh is no polar factor")
     outs = _outputs(svd)
-    if isinstance(outs, str):
+    if isinstance(outs, Declined):
         return outs
     u, s, vh = outs.get(0), outs.get(1), outs.get(2)
     if u is None or vh is None:
-        return "U or Vh unused: no U @ Vh product"
+        return Declined("U or Vh unused: no U @ Vh product")
     product = _only_user(u)
     if not (is_call(product, aten.mm.default) and product.args[0] is u and product.args[1] is vh):
-        return "U is read by something other than U @ Vh"
+        return Declined("U is read by something other than U @ Vh")
     if _only_user(vh) is not product:
-        return "Vh is read by something other than U @ Vh"
+        return Declined("Vh is read by something other than U @ Vh")
     if s is None or not s.users:
         return _Match(source, "none", product)
     total = _only_user(s)
     if not _is_total_sum(total, s):
-        return "singular values read beyond S.sum() (the svd must run anyway)"
+        return Declined("singular values read beyond S.sum() (the svd must run anyway)")
     scaled = _only_user(total)
     if not (is_call(scaled, aten.mul.Tensor) and set(scaled.args[:2]) == {product, total}):
-        return "S.sum() is used other than to scale U @ Vh"
+        return Declined("S.sum() is used other than to scale U @ Vh")
     if _only_user(product) is not scaled:
-        return "U @ Vh is read unscaled as well as scaled by S.sum()"
+        return Declined("U @ Vh is read unscaled as well as scaled by S.sum()")
     return _Match(source, "nuclear", scaled)
 
 

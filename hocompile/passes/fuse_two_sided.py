@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
+from ..ir.declined import Declined
 from ..ir.matrix_polynomial import is_call
 from ..ops.two_sided import TwoSidedSpec
 from .base import Pass, PassResult, replace_with_op, with_declines
@@ -71,25 +72,26 @@ def _inner(end: fx.Node) -> tuple[str, Any, Any, Any] | None:
     return None
 
 
-def _match(end: fx.Node, association: str, inner: fx.Node, a_arg: fx.Node, x: Any) -> TwoSidedSpec | str:
+def _match(end: fx.Node, association: str, inner: fx.Node, a_arg: fx.Node, x: Any) -> TwoSidedSpec | Declined:
     if not isinstance(x, fx.Node):
-        return "X is not a graph value"
+        return Declined("X is not a graph value")
     chain = [inner] + ([end.args[0], inner.args[0]] if association == "tensordot" else [])
     if any(len(n.users) != 1 for n in chain):
-        return f"an inner product or view of {end.name} is read elsewhere (it must be computed anyway)"
+        return Declined(f"an inner product or view of {end.name} is read elsewhere (it must be computed anyway)")
     if is_call(x, aten.mm.default, aten.addmm.default):
-        return f"X {x.name} is itself a product: a longer chain, no projection"
+        return Declined(f"X {x.name} is itself a product: a longer chain, no projection")
     left, a_is_permute = _operand(a_arg)
     right, right_transposed = _operand(end.args[1])
     if any(is_call(f, aten.mm.default, aten.addmm.default) or f is x for f in (left, right)):
-        return "a factor is itself a product or X: a matrix power chain, no projection"
+        return Declined("a factor is itself a product or X: a matrix power chain, no projection")
     # tensordot computes mm(Xᵀ, Aᵀ): A = leftᵀ when the mm reads left itself.
     left_transposed = not a_is_permute if association == "tensordot" else a_is_permute
     m, n = x.meta["val"].shape if x.meta["val"].dim() == 2 else (None, None)
     if m is None:
-        return "X is not a matrix"
+        return Declined("X is not a matrix")
     if tuple(left.meta["val"].shape) != (m, m) or tuple(right.meta["val"].shape) != (n, n):
-        return f"factors {tuple(left.meta['val'].shape)}, {tuple(right.meta['val'].shape)} are not {m}x{m} and {n}x{n}"
+        shapes = f"{tuple(left.meta['val'].shape)}, {tuple(right.meta['val'].shape)}"
+        return Declined(f"factors {shapes} are not {m}x{m} and {n}x{n}")
     return TwoSidedSpec(x, left, right, left_transposed, right_transposed, association)
 
 
@@ -110,8 +112,8 @@ class FuseTwoSided(Pass):
             if chain is None:
                 continue  # one product, not a chain of two: no candidate
             spec = _match(node, *chain)
-            if isinstance(spec, str):
-                reasons.append(self.decline(f"{node.name}: {spec}"))
+            if isinstance(spec, Declined):
+                reasons.append(self.decline(f"{node.name}: {spec.reason}"))
                 continue
             replace_with_op(gm, node, spec)
             gm.graph.erase_node(node)

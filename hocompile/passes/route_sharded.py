@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from ..distributed.plan import Item, assign_owners, ns_cost
-from ..distributed.sharded import SHARDED, SHARDED_OUTPUTS, chunk_rows, step_layout
+from ..distributed.sharded import SHARDED, SHARDED_OUTPUTS, chunk_rows
 from ..distributed.tp_plan import PLAN_MODES, TPChoice
 from ..errors import CaptureError
 from ..ir.decisions import record
@@ -54,7 +54,7 @@ from ..ir.graph import ROLE, stable_topological_sort
 from ..ir.registry import family_of
 from ..targets import Target
 from .base import Pass, PassResult
-from .tp_newton_schulz import TensorParallelNS, choose_mode, mark_for_tp, require_tp_done
+from .tp_newton_schulz import choose_mode, mark_for_tp, require_tp_done
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -344,32 +344,6 @@ def _split(graph: fx.Graph, flat: fx.Node, shapes: list[tuple[int, int]]) -> lis
         piece.meta["val"] = parts.meta["val"][index]
         out.append(_new(graph, aten.view.default, (piece, list(shape)), flat, shape, dtype))
     return out
-
-
-def with_route_sharded(
-    pipeline: tuple[Pass, ...], gm: fx.GraphModule, tp_mode: str = "auto", target: Target | None = None
-) -> tuple[Pass, ...]:
-    """``pipeline`` with route-sharded for the ranks of ``gm``'s DTensor inputs, right before
-    batch-by-shape (so an owner's matrices batch as on one rank), or last if there is none, and
-    tp-newton-schulz last (after choose-algorithm/-precision have planned the calls it inlines).
-    ``tp_mode``: the ``tp_mode`` setting ("auto": the cost model on ``target``, by default
-    batch-by-shape's; compile_step passes rank 0's, so every rank chooses alike)."""
-    layout = step_layout(gm)
-    if layout is None:
-        return pipeline
-    if any(p.name == "dist-ownership" for p in pipeline):
-        raise CaptureError(
-            "distributed='replicated' was asked for, but the step's params are Shard(0) DTensors: they are "
-            "sharded, not replicated (leave distributed at 'auto'; route-sharded plans them)"
-        )
-    if target is None:
-        targets = (getattr(p, "target", None) for p in pipeline)
-        target = next((t for t in targets if isinstance(t, Target)), None)
-    group = {"world": layout.world, "rank": layout.rank, "group_name": layout.group_name}
-    route = RouteSharded(**group, tp_mode=tp_mode, target=target)  # type: ignore[arg-type]
-    names = [p.name for p in pipeline]
-    at = names.index("batch-by-shape") if "batch-by-shape" in names else len(pipeline)
-    return pipeline[:at] + (route,) + pipeline[at:] + (TensorParallelNS(**group),)  # type: ignore[arg-type]
 
 
 def require_routed(gm: fx.GraphModule) -> None:

@@ -54,7 +54,7 @@ from .stack_members import (
     MIN_MEMBERS,
     Budget,
     PlannedCall,
-    _threads,
+    chosen_threads,
     far_apart,
     measure_stacking,
     one_call_seconds,
@@ -91,7 +91,7 @@ class StackCalls(Pass):
             if key is None or val.dim() != 2:
                 continue
             orientation = bool(family.batch.transposed(spec))
-            groups.setdefault((key, tuple(val.shape), orientation, _threads(node)), []).append((node, family))
+            groups.setdefault((key, tuple(val.shape), orientation, chosen_threads(node)), []).append((node, family))
         made, declined = 0, []
         budget = Budget(self.budget_s)
         for group in groups.values():

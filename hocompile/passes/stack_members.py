@@ -67,7 +67,7 @@ HOST_PROBE_SIDE = 32  # the matrix a call's host work is timed on: its GEMMs tak
 Members = tuple[tuple[tuple[int, int], int], ...]
 
 
-def _threads(node: fx.Node) -> int:
+def chosen_threads(node: fx.Node) -> int:
     chosen = [d.chose["threads"] for d in decisions_of(node) if "threads" in d.chose]
     return chosen[-1] if chosen and isinstance(chosen[-1], int) else 0
 
@@ -202,7 +202,7 @@ class PlannedCall:
         (name,) = spec.tensor_fields()
         # Host scalars (eps) as the values the capture saw: what the op computes does not depend on them.
         values = {f: v.meta["val"] for f in spec.field_names() if isinstance(v := getattr(spec, f), fx.Node)}
-        return cls(family, spec.replace(**values), name, spec.node_of(name).meta["val"], _threads(node))
+        return cls(family, spec.replace(**values), name, spec.node_of(name).meta["val"], chosen_threads(node))
 
     def without_input(self) -> Any:
         return self.spec.replace(**{self.name: None})

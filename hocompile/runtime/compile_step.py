@@ -29,6 +29,7 @@ from ..diskcache import DiskCache
 from ..distributed.check import check_collectives_agree, check_replicated, planning_basis, rank0_target
 from ..distributed.replicated import resolve_group
 from ..distributed.sharded import is_dtensor
+from ..ir.declined import Declined
 from ..ir.graph import decisions, graph_stats, print_graph
 from ..lowering import LoweredStep, cache_key, lower_to_aten
 from ..lowering.aten import fast_program
@@ -36,11 +37,11 @@ from ..lowering.class_programs import Program, lower_programs, split_programs
 from ..lowering.triton import lower_to_triton
 from ..lowering.triton.ns_scheduled import schedule_formats
 from ..lowering.writeback import write_fence
-from ..passes import BatchByShape, Pass, PassRecord, default_pipeline, run_pipeline
+from ..passes import BatchByShape, Pass, PassRecord, run_pipeline
+from ..passes import pipeline as pipelines
 from ..passes.dist_ownership import DistOwnership
-from ..passes.route_sharded import require_routed, with_route_sharded
-from ..passes.stack_calls import StackCalls
-from ..passes.stack_members import StackMembers
+from ..passes.pipeline import pipeline_target, stamped_pipeline, traced_whole_pipeline, why_not_stamped
+from ..passes.route_sharded import require_routed
 from ..settings import Backend, Distributed, Settings
 from ..targets import Target, device_arch, resolve_target
 from . import warm
@@ -115,11 +116,11 @@ def ownership_pass(settings: Settings) -> DistOwnership | None:
     return DistOwnership(world=dist.get_world_size(group), rank=dist.get_rank(group), group_name=str(group.group_name))
 
 
-def shared_target(opt: torch.optim.Optimizer, pipeline: tuple[Pass, ...]) -> Target | None:
+def shared_target(opt: torch.optim.Optimizer, passes: tuple[Pass, ...]) -> Target | None:
     """Rank 0's target (the pipeline's) when the params are DTensors on a mesh, else None."""
     params = [p for g in opt.param_groups for p in g["params"]]
     mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
-    found = next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
+    found = pipeline_target(passes)
     if mesh is None or found is None or mesh.ndim != 1:
         return found
     return rank0_target(found, mesh.get_group().group_name)
@@ -128,30 +129,13 @@ def shared_target(opt: torch.optim.Optimizer, pipeline: tuple[Pass, ...]) -> Tar
 def step_pipeline(
     settings: Settings, device: torch.device, backend: str, stack_calls: bool = True
 ) -> tuple[tuple[Pass, ...], Target]:
-    """The default pass pipeline for ``settings`` on ``device`` (the target calibrated on first use);
-    ``stack_calls=False`` for graphs Inductor lowers (it has no lowering for aten.stack post-grad)."""
+    """The pass pipeline for ``settings`` on ``device`` (passes/pipeline.py decides it; here the facts
+    it needs: the target, calibrated on first use, the Triton kernels' formats, the ranks' group)."""
     with COMPILE_LOCK:
         target = resolve_target(settings.target, settings.cache_dir, device)
-    triton = backend == "triton"
-    pipeline = default_pipeline(
-        target,
-        str(settings.precision),
-        force_batch=triton,
-        error_budget=settings.error_budget,
-        schedule=settings.schedule,
-        kernel_formats=kernel_formats(triton, device),
-        max_batch=settings.max_batch,
-        max_stack_bytes=settings.max_stack_bytes,
-        dist_ownership=ownership_pass(settings),  # None unless distributed="replicated"
-    )
-    cpu_here = target.measured and target.name == "cpu"  # timed on this CPU: another target has nothing to time
-    if stack_calls and cpu_here and not triton and settings.distributed != Distributed.REPLICATED:
-        # A step traced whole stacks its same-shaped NS calls where this CPU measures that faster
-        # and bitwise (a stamped step stacks its classes' members instead: with_stack_members).
-        pipeline = (*pipeline, StackCalls(target=target, max_batch=settings.max_batch or StackCalls.max_batch,
-                                          max_stack_bytes=settings.max_stack_bytes or StackCalls.max_stack_bytes,
-                                          cache_dir=settings.cache_dir))
-    return pipeline, target
+    formats = kernel_formats(backend == Backend.TRITON, device)
+    passes = pipelines.step_pipeline(settings, target, backend, formats, ownership_pass(settings), stack_calls)
+    return passes, target
 
 
 def compile_step(
@@ -214,11 +198,9 @@ def _compile_step(
         else:
             with torch.no_grad():
                 captured = capture(opt, settings.structural_keys, opaque_helpers=opaque_helpers(settings))
-            if captured.sharded:  # DTensors: each NS routed to an owner or run tensor-parallel (route_sharded.py)
-                pipeline = tuple(p for p in pipeline if not isinstance(p, StackCalls))
-                pipeline = with_route_sharded(pipeline, captured.gm, settings.tp_mode, shared)
+            pipeline = traced_whole_pipeline(pipeline, bool(captured.sharded), captured.gm, settings, shared)
             step = _run_passes(captured, pipeline, settings, dump_dir)
-            step.stamp_note = stamped
+            step.stamp_note = stamped.reason
         step.target = target
         if settings.debug >= 2:
             log.debug("hocompile final graph:\n%s", step.final_graph)
@@ -232,7 +214,7 @@ def _compile_step(
     step.seconds = time.perf_counter() - start
     if lower:  # outside COMPILE_LOCK: it waits for the other ranks (threads, in tests) to compile too
         # distributed/check.py: a no-op unless dist-ownership planned the step
-        planned_for = next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
+        planned_for = pipeline_target(pipeline)
         basis = planning_basis(planned_for, settings, backend) if planned_for is not None else ""
         check_replicated(opt, step.gm, basis)
         check_collectives_agree(step.gm, device)  # every rank issues the same collectives (a no-op without)
@@ -286,19 +268,6 @@ def _warm_step(
     return None
 
 
-def with_stack_members(pipeline: tuple[Pass, ...], stamp: Stamp, settings: Settings) -> tuple[Pass, ...]:
-    """``pipeline`` with stack-members last, planning for the classes of ``stamp`` on the pipeline's target."""
-    target = next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
-    if target is None:
-        return pipeline
-    members = tuple(((c.group, c.rep), len(c.members)) for c in stamp.classes)
-    cap = settings.max_batch or StackMembers.max_batch
-    stack_bytes = settings.max_stack_bytes or StackMembers.max_stack_bytes
-    stack = StackMembers(target=target, members=members, max_batch=cap, max_stack_bytes=stack_bytes,
-                         cache_dir=settings.cache_dir)
-    return (*pipeline, stack)
-
-
 def _run_passes(
     captured: CapturedStep, pipeline: tuple[Pass, ...], settings: Settings, dump_dir: Path | None
 ) -> CompiledStep:
@@ -318,35 +287,32 @@ def _stamped(
     lifted: frozenset[HostSlot],
     dump_dir: Path | None,
     planning: bool = False,
-) -> CompiledStep | str:
+) -> CompiledStep | Declined:
     """The step compiled on one representative per parameter class (classes/stamp.py), or why it is
     traced whole. The passes run on the representatives' graph; the result must still be one
     program per member (a pass that combines calls of several params, batch-by-shape on a GPU
     target, makes it a whole trace). ``planning`` (hocompile.plan: nothing runs): the passes that
     combine calls across params are left out, and plan.py reports stacking and owners per class."""
     if not settings.stamp:
-        return "stamping is off (stamp=False / HOCOMPILE_STAMP=0)"
-    if planning:
-        pipeline = tuple(p for p in pipeline if not isinstance(p, (BatchByShape, DistOwnership)))
-    elif backend != "aten":
-        return f"the {backend} backend compiles a step traced whole (class programs run on the aten lowering)"
-    elif any(p.name == DistOwnership.name for p in pipeline):
-        return "distributed='replicated' plans owners across all matrices: traced whole"
+        return Declined("stamping is off (stamp=False / HOCOMPILE_STAMP=0)")
+    declined = why_not_stamped(pipeline, backend, planning)
+    if declined is not None:
+        return Declined(declined)
     with torch.no_grad():
         found = stamp_capture(opt, settings.structural_keys, lifted, opaque_helpers(settings))
-    if isinstance(found, str):
+    if isinstance(found, Declined):
         return found
     captured, stamp = found
-    pipeline = tuple(p for p in pipeline if not isinstance(p, StackCalls))  # one call per class: nothing side by side
-    if not planning:  # each class's calls may run on stacks of its members (passes/stack_members.py)
-        pipeline = with_stack_members(pipeline, stamp, settings)
+    members = tuple(((c.group, c.rep), len(c.members)) for c in stamp.classes)
+    pipeline = stamped_pipeline(pipeline, members, settings, planning)
     step = _run_passes(captured, pipeline, settings, dump_dir)
     enabled = [p for p in pipeline if p.name not in settings.disabled_passes]
     if any(isinstance(p, BatchByShape) and p.stacks_anything(step.gm) for p in enabled):
-        return "batch-by-shape stacks this target's calls across params: traced whole"
+        return Declined("batch-by-shape stacks this target's calls across params: traced whole")
     programs = split_programs(captured, step.gm, stamp)
-    if isinstance(programs, str):
-        return f"after the passes the step is no longer one program per param ({programs}): traced whole"
+    if isinstance(programs, Declined):
+        why = programs.reason
+        return Declined(f"after the passes the step is no longer one program per param ({why}): traced whole")
     step.stamp, step.programs = stamp, programs
     return step
 
@@ -380,7 +346,7 @@ def _lower(
     for read in captured.reads:  # the programs run before the step, on the host's device
         read.fast = fast_program(read.gm)
     if backend == "triton":
-        step.lowered = _lower_triton(step.gm, step.key, header, copy_into, settings, device)
+        step.lowered = lower_triton_step(step.gm, step.key, header, copy_into, settings, device)
     else:
         cache = DiskCache(settings.cache_dir)
         step.lowered = lower_to_aten(step.gm, step.key, cache, header, copy_into, settings.fused_updates)
@@ -417,7 +383,7 @@ def _lower_stamped(step: CompiledStep, identity: str, header: str, settings: Set
     step.lowered.fused = [f for part in parts for f in part.fused]
 
 
-def _lower_triton(
+def lower_triton_step(
     gm: fx.GraphModule, key: str, header: str, copy_into: list[int | None], settings: Settings, device: torch.device
 ) -> LoweredStep:
     # The lowering returns a plain runnable; replaying it from a CUDA graph is the runtime's business.

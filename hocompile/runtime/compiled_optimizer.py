@@ -27,10 +27,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..capture.container_trace import aliases_hold
 from ..capture.fused_kernels import runs_as_is
 from ..capture.host_state import HostSlot
-from ..capture.slots import tensor_lookup
 from ..capture.trace import CapturedStep, unwrapped_step
 from ..errors import CaptureError, UnsupportedParameterError
 from ..passes import Pass
@@ -38,18 +36,19 @@ from ..settings import Fallback, Settings
 from .check.checked_run import run_checked
 from .compile_step import compile_step, params_device, resolve_backend, step_pipeline
 from .entries import (
-    _FORWARDED,
+    FORWARDED,
     CompiledEntry,
     Counters,
     LinAlgFallbackWarning,
     RecompileLimitWarning,
-    _check_optimizer_like,
+    StepRunner,
+    check_optimizer_like,
     host_env,
     run_entry,
 )
 from .fast_guard import FastGuard
 from .guards import Signature, describe_change, signature
-from .stamped import broken_guard
+from .selection import Selection, select
 from .validate import validate
 
 __all__ = ["CompiledEntry", "CompiledOptimizer", "Counters", "LinAlgFallbackWarning", "RecompileLimitWarning"]
@@ -83,7 +82,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._as_is = ""  # why the step runs as torch runs it (fused_kernels.runs_as_is), once seen
         if not isinstance(optimizer, torch.optim.Optimizer):
             try:
-                _check_optimizer_like(optimizer)
+                check_optimizer_like(optimizer)
             except TypeError as exc:
                 if self._settings.fallback != Fallback.EAGER:
                     raise
@@ -113,6 +112,16 @@ class CompiledOptimizer(torch.optim.Optimizer):
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._inner
+
+    @property
+    def passthrough(self) -> str:
+        """Why every step runs eagerly ('' when steps compile): explain() reports it."""
+        return self._passthrough
+
+    @property
+    def as_is(self) -> str:
+        """Why the step runs as torch runs it (torch's own fused kernel), once seen; else ''."""
+        return self._as_is
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -148,13 +157,13 @@ class CompiledOptimizer(torch.optim.Optimizer):
     def __setattr__(self, name: str, value: Any) -> None:
         # GradScaler hands a fused optimizer its scale and inf flag as
         # attributes; the wrapped step is what reads them (as graph inputs).
-        if name in _FORWARDED:
+        if name in FORWARDED:
             setattr(self._inner, name, value)
         else:
             object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
-        if name in _FORWARDED:
+        if name in FORWARDED:
             delattr(self._inner, name)
         else:
             object.__delattr__(self, name)
@@ -249,16 +258,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
-        if why := runs_as_is(self._inner):  # torch's own fused step: one kernel, run as torch runs it
-            self._as_is = why
-            self.counters.as_is += 1
-            self.steps += 1
-            unwrapped_step(self._inner)(self._inner)
-            return
-        if not any(p.grad is not None for g in self._inner.param_groups for p in g["params"]):
-            # Nothing to compile: the eager step is what eager does here (for
-            # torch.optim, nothing; a custom step may still tick a counter).
-            unwrapped_step(self._inner)(self._inner)
+        if self._runs_as_torch_runs_it():
             return
         structural = self._settings.structural_keys
         fast = self._fast
@@ -268,52 +268,14 @@ class CompiledOptimizer(torch.optim.Optimizer):
             fast = None
             sig = signature(self._inner, structural, self._lifted)
             candidates = self._entries.get(sig, [])
-        env: dict[str, float] | None = None
-        entry: CompiledEntry | None = None
-        failed_guard = ""
-        on_counter = False  # the failed guard reads a number the step itself rewrites
-        for candidate in candidates:
-            if candidate.captured is None:  # an eager fallback for this signature
-                entry = candidate
-                break
-            if candidate.captured.holds_containers and not aliases_hold(
-                self._inner, tuple(s for s in candidate.captured.inputs if s.kind != "carry"),
-                candidate.captured.leaf_aliases,
-                tensor_lookup(self._inner),
-            ):
-                failed_guard = "the tensors kept in containers are other inputs' tensors than when compiled"
-                continue
-            env = self._host_env(candidate.captured)
-            if candidate.stamped is not None:  # per member too (runtime/stamped.py)
-                broken = broken_guard(self._inner, candidate.stamped, env)
-            else:
-                broken = next((g for g in candidate.captured.guards if not g.holds(env)), None)
-            if broken is None:
-                entry = candidate
-                break
-            failed_guard = f"guard failed: {broken.describe()} no longer holds"
-            counters = {slot.name() for slot in candidate.captured.lifted}
-            counters |= {read.name for read in candidate.captured.reads}  # a value read on the host
-            on_counter = bool(broken.lhs.inputs() & counters or broken.rhs.inputs() & counters)
+        selected = select(self._inner, candidates, self._host_env)
+        entry, env = selected.entry, selected.env
         if entry is None and not candidates and self._eager_by_coarse:
             # This configuration differs from one that could not be captured only in
             # Python numbers (a counter the step bumps): it runs eagerly too, no retry.
             entry = self._eager_by_coarse.get(signature(self._inner, structural, self._lifted, coarse=True))
         if entry is None:
-            reason = failed_guard or (
-                "first step" if self._last_signature is None else describe_change(self._last_signature, sig)
-            )
-            # Right after a step that created state (tensors, or Python keys such as
-            # a new group["step"]), the steady-state compile is expected, not a recompile.
-            expected = self._created_state and reason.startswith(("state of", "param_groups[", "optimizer attribute"))
-            if expected:
-                reason = "steady state: the previous step created the optimizer state"
-            # Another outcome of a branch on a number the step itself counts (a refresh
-            # every k steps, a warm-up): one program per outcome, a variant while a
-            # signature has few. A changed hyperparameter, or a guard that fails with
-            # every new value, is a recompile.
-            variant = on_counter and not expected and len(candidates) < VARIANTS_PER_SIGNATURE
-            entry = self._compile(sig, reason, expected, variant)
+            entry = self._compile_missing(sig, len(candidates), selected)
             sig = signature(self._inner, structural, self._lifted)
             env = None
             fast = None
@@ -324,6 +286,42 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._last_signature = sig
         self._created_state = False
         self.steps += 1
+        self._run_selected(entry, env)
+
+    def _runs_as_torch_runs_it(self) -> bool:
+        """Steps that run eagerly by design, with nothing to select: torch's own fused step, or no grads."""
+        if why := runs_as_is(self._inner):  # torch's own fused step: one kernel, run as torch runs it
+            self._as_is = why
+            self.counters.as_is += 1
+            self.steps += 1
+            unwrapped_step(self._inner)(self._inner)
+            return True
+        if not any(p.grad is not None for g in self._inner.param_groups for p in g["params"]):
+            # Nothing to compile: the eager step is what eager does here (for
+            # torch.optim, nothing; a custom step may still tick a counter).
+            unwrapped_step(self._inner)(self._inner)
+            return True
+        return False
+
+    def _compile_missing(self, sig: Signature, candidates: int, selected: Selection) -> CompiledEntry:
+        """A new compiled step for ``sig``, where none of its ``candidates`` holds; why, as explain() says it."""
+        reason = selected.failed_guard or (
+            "first step" if self._last_signature is None else describe_change(self._last_signature, sig)
+        )
+        # Right after a step that created state (tensors, or Python keys such as
+        # a new group["step"]), the steady-state compile is expected, not a recompile.
+        expected = self._created_state and reason.startswith(("state of", "param_groups[", "optimizer attribute"))
+        if expected:
+            reason = "steady state: the previous step created the optimizer state"
+        # Another outcome of a branch on a number the step itself counts (a refresh
+        # every k steps, a warm-up): one program per outcome, a variant while a
+        # signature has few. A changed hyperparameter, or a guard that fails with
+        # every new value, is a recompile.
+        variant = selected.on_counter and not expected and candidates < VARIANTS_PER_SIGNATURE
+        return self._compile(sig, reason, expected, variant)
+
+    def _run_selected(self, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
+        """``entry``'s step: eagerly where it is an eager fallback, else compiled (and checked on its steps)."""
         if entry.captured is None or entry.fallback:
             self.counters.eager_fallbacks += 1
             keys_before = self._state_keys()
@@ -333,7 +331,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             self._created_state = self._state_keys() != keys_before
             return
         try:
-            run_checked(self, entry, env)  # self._run; checked against eager on verify='s and the self-check's steps
+            run_checked(self._runner(), entry, env)  # checked against eager on verify='s and the self-check's steps
         except torch.linalg.LinAlgError as exc:
             if not entry.fenced:
                 raise
@@ -342,7 +340,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             message = f"{type(exc).__name__}: {exc}".splitlines()[0]
             name = type(self._inner).__name__
             log.warning("hocompile: %s in a compiled %s step; running this step eagerly", message, name)
-            warnings.warn(f"{message}: this step of {name} ran eagerly", LinAlgFallbackWarning, 2)
+            warnings.warn(f"{message}: this step of {name} ran eagerly", LinAlgFallbackWarning, 3)  # as from _step
             self.counters.eager_fallbacks += 1
             unwrapped_step(self._inner)(self._inner)
 
@@ -352,6 +350,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
         keys: list[tuple[Any, ...]] = [tuple(vars(opt))]
         keys += [tuple(g) for g in opt.param_groups]
         return keys + [tuple(opt.state.get(p, ())) for g in opt.param_groups for p in g["params"]]
+
+    def _runner(self) -> StepRunner:
+        """The pieces of this optimizer the checks and the warm start use (entries.StepRunner)."""
+        return StepRunner(self._inner, self._settings, self.counters, self.history, self._run, self._host_env,
+                          self._forget)
 
     def _host_env(self, captured: CapturedStep) -> dict[str, Any]:
         return host_env(self._inner, captured)
@@ -448,7 +451,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return self._remember(sig, entry, expected, variant)
 
     def _forget(self, entry: CompiledEntry) -> None:
-        """Never select ``entry`` again (a stale warm-start record: runtime/verify.py)."""
+        """Never select ``entry`` again (a stale warm-start record: runtime/check/verify.py)."""
         for candidates in self._entries.values():
             candidates[:] = [c for c in candidates if c is not entry]
         self._fast = None

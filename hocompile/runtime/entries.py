@@ -5,7 +5,7 @@ the records explain() reads, kept apart from the optimizer's bookkeeping.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +19,15 @@ from ..errors import LinAlgFallbackWarning, RecompileLimitWarning  # noqa: F401 
 from ..ir.graph import InputSlot
 from ..lowering import LoweredStep
 from ..passes import PassRecord
-from .check.self_check import SelfCheck
-from .check.verify import Verification
+from ..settings import Settings
+from .records import SelfCheck, Verification
 from .stamped import StampedRun, run_stamped
 
 # Attributes GradScaler sets on an optimizer whose step supports AMP scaling.
-_FORWARDED = frozenset({"grad_scale", "found_inf"})
+FORWARDED = frozenset({"grad_scale", "found_inf"})
 
 
-def _check_optimizer_like(obj: Any) -> None:
+def check_optimizer_like(obj: Any) -> None:
     """An object that is not a torch.optim.Optimizer compiles if it has what the capture rebinds."""
     missing = []
     if not callable(getattr(obj, "step", None)):
@@ -118,6 +118,25 @@ class CompiledEntry:
     def eager(cls, reason: str, why: str) -> CompiledEntry:
         """An entry for a signature that runs eagerly: compiled for ``reason``, not compiled because ``why``."""
         return cls(None, None, [], "", 0.0, 0.0, 0.0, reason, why)
+
+
+@dataclass(frozen=True)
+class StepRunner:
+    """What the checks (``check/``) and the warm start need of a CompiledOptimizer, handed to them
+    instead of the optimizer: the user's optimizer, the settings, the counters, the compiled steps so
+    far, and three functions. The checks never see the CompiledOptimizer itself."""
+
+    optimizer: torch.optim.Optimizer  # the user's own: eager's reference step runs on its copies
+    settings: Settings
+    counters: Counters
+    history: list[CompiledEntry]  # every compiled step in order: a position is the step's number in messages
+    run: Callable[[CompiledEntry, dict[str, Any] | None], None]  # the compiled step, on the live objects
+    host_env: Callable[[CapturedStep], dict[str, Any]]  # the host values a captured step runs with now
+    forget: Callable[[CompiledEntry], None]  # never select this compiled step again
+
+    def number(self, entry: CompiledEntry) -> int:
+        """``entry``'s position in the history, from 1 (0 where it is not there)."""
+        return next((k for k, e in enumerate(self.history, start=1) if e is entry), 0)
 
 
 def run_entry(opt: torch.optim.Optimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> bool:

@@ -15,7 +15,7 @@ monkeypatch's; capture.ExecutedFiles) with the digest of its contents, and a
 record whose files changed or vanished is refused and rewritten. What no key
 can see (a monkeypatch the new process does not make, a global the code
 reads) is caught by running the loaded step's first step against eager on
-copies (runtime/verify.py): a mismatch gives the optimizer eager's result,
+copies (runtime/check/verify.py): a mismatch gives the optimizer eager's result,
 deletes the record and compiles afresh. Loading lowers the graphs again
 (their modules come from the same cache directory), so it costs the
 lowering, not the trace.
@@ -29,6 +29,7 @@ import logging
 import pickle
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,11 +238,12 @@ def rebuild(record: WarmRecord, step_type: Any) -> Any:
     return step
 
 
-def discard_stale(opt: Any, entry: Any, why: str) -> None:
-    """A warm-start record that does not match eager: never used again; the next step compiles afresh."""
+def discard_stale(forget: Callable[[Any], None], entry: Any, why: str) -> None:
+    """A warm-start record that does not match eager: never used again (``forget``: the optimizer's
+    StepRunner.forget); the next step compiles afresh."""
     message = f"hocompile: the compiled step loaded from {entry.warm} {why}; discarding it and compiling afresh"
     log.warning(message)
     warnings.warn(message, CacheWarning, stacklevel=4)
     Path(entry.warm).unlink(missing_ok=True)
-    opt._forget(entry)
+    forget(entry)
     entry.fallback = f"stale warm-start record: {why}"

@@ -161,7 +161,7 @@ def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
         lower_tile(w)
         w.line("x_base = x_ptr + batch * (M * K)")
         if spec.normalize:
-            _gram_denominator(w, spec)
+            gram_denominator(w, spec)
             w.line("x0_base = x0_ptr + batch * (M * K)")
         w.line("acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)")
         w.line("for k0 in range(0, K, BLOCK_K):")
@@ -195,7 +195,7 @@ def generate_gram(spec: GramSpec, origin: str) -> KernelSource:
     return KernelSource(name, spec.family, spec, origin, w.text(), tile.as_dict(), tuple(sorted(w.helpers)))
 
 
-def _gram_denominator(w: CodeWriter, spec: GramSpec) -> None:
+def gram_denominator(w: CodeWriter, spec: GramSpec) -> None:
     """``denom`` as newton_schulz.normalize rounds it: norm and denominator each rounded to dtype."""
     w.line("sumsq = tl.zeros((BLOCK_P,), dtype=tl.float32)")
     w.line("for p0 in range(0, P, BLOCK_P):")

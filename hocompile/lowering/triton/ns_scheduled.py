@@ -43,7 +43,7 @@ from ...ir import dtypes
 from ...precision.emulate import FORMATS
 from .code import CodeWriter, KernelSource
 from .fp8_kernels import FP8_ARCHS, FP8_FORMATS, Fp8GemmSpec, amax_tiles, generate_fp8_gemm
-from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, _gram_denominator
+from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, gram_denominator
 from .ns_kernels import KernelSet, NSLaunches, Temporaries
 
 # Formats the scheduled kernels run natively as a storage dtype (names from hocompile.ir.dtypes).
@@ -112,7 +112,7 @@ def generate_scale(
         w.line("mask = offs < NUMEL")
         w.line("v = tl.load(x_ptr + batch * NUMEL + offs, mask=mask, other=0.0).to(tl.float32)")
         if normalize:
-            _gram_denominator(w, GramSpec(batch, m, n, torch.float32, arch, normalize=True, eps_mode=eps_mode))
+            gram_denominator(w, GramSpec(batch, m, n, torch.float32, arch, normalize=True, eps_mode=eps_mode))
             w.line("v = tl.math.div_rn(v, denom)  # true division, fp32: the scheduled NS's normalisation")
             w.line("tl.store(x0_ptr + batch * NUMEL + offs, v, mask=mask)")
         if amax or not normalize:

@@ -21,41 +21,16 @@ their eager step issues no collectives and a check would run the whole step eage
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...capture.collectives import collective_launches
 from ...ir.graph import ORIGIN
+from ..records import RankGroup
 
 if TYPE_CHECKING:
     from ..entries import CompiledEntry
-    from .self_check import SelfCheck
-
-
-@dataclass(frozen=True)
-class RankGroup:
-    """The process group of the step's own collectives, and the device its agreements travel on (an
-    NCCL group all-reduces CUDA tensors only: the params' device, as the step's collectives use)."""
-
-    name: str
-    device: torch.device
-
-    def all(self, flag: bool) -> bool:
-        """``flag`` on every rank of the group (each rank calls this at the same point)."""
-        return self._reduce(flag, torch.distributed.ReduceOp.MIN)
-
-    def any(self, flag: bool) -> bool:
-        """``flag`` on some rank of the group (each rank calls this at the same point)."""
-        return self._reduce(flag, torch.distributed.ReduceOp.MAX)
-
-    def _reduce(self, flag: bool, op: Any) -> bool:
-        from torch.distributed import distributed_c10d as c10d
-
-        value = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(value, op=op, group=c10d._resolve_process_group(c10d.GroupName(self.name)))
-        return bool(value.item())
 
 
 def step_collective_group(entry: CompiledEntry, groups: list[dict[str, Any]]) -> RankGroup | None:
@@ -71,20 +46,6 @@ def step_collective_group(entry: CompiledEntry, groups: list[dict[str, Any]]) ->
         return None
     device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
     return RankGroup(str(launches[0].args[-1]), device)  # one group: the capture refuses several
-
-
-def check_now_agreed(record: SelfCheck, ranks: RankGroup) -> bool:
-    """Whether every rank checks this step: due on the schedule, and within every rank's budget."""
-    from .self_check import BUDGET, FREE_SECONDS, due
-
-    if not due(record.runs):
-        return False
-    expected = record.each[-1] * record.whole_over_checked if record.each else 0.0
-    within = record.checks == 0 or record.seconds + expected <= BUDGET * record.step_seconds + FREE_SECONDS
-    if ranks.all(within):
-        return True
-    record.postponed += 1  # skipped: the next due step asks again
-    return False
 
 
 def group_verdict(why: str, ranks: RankGroup) -> str:

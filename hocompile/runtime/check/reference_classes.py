@@ -17,14 +17,15 @@ import torch.fx as fx
 from ...capture.host_state import HostSlot
 from ...capture.trace import capture, slot_tensor
 from ...classes.separable import split_foreach
-from ...classes.stamp import _view
+from ...classes.stamp import trace_view
+from ...ir.declined import Declined
 from ...ir.graph import ROLE, InputSlot
 from ...lowering.class_programs import Program, split_programs
 from ..stamped import StampedRun, member_scalars
-from .reference_step import References, _Float64, _widened_copy
+from .reference_step import Float64Run, References, widened_copy
 
 if TYPE_CHECKING:
-    from ..compiled_optimizer import CompiledEntry, CompiledOptimizer
+    from ..entries import CompiledEntry, StepRunner
 
 
 def member_slot(slot: InputSlot, index: int) -> InputSlot:
@@ -89,17 +90,17 @@ def sample(members: tuple[int, ...]) -> list[int]:
 
 
 def stamped_references(
-    opt: CompiledOptimizer, entry: CompiledEntry, planned: frozenset[InputSlot]
+    runner: StepRunner, entry: CompiledEntry, planned: frozenset[InputSlot]
 ) -> References:
     run = entry.stamped
     assert run is not None and entry.captured is not None
-    inner = opt.optimizer
-    env = opt._host_env(entry.captured)
-    reference = capture(inner, opt._settings.structural_keys, _view(inner, list(run.stamp.classes), 1))
+    inner = runner.optimizer
+    env = runner.host_env(entry.captured)
+    reference = capture(inner, runner.settings.structural_keys, trace_view(inner, list(run.stamp.classes), 1))
     split_foreach(reference.gm)
     found = split_programs(reference, reference.gm, run.stamp)
-    if isinstance(found, str):
-        raise RuntimeError(f"eager's program is not one per class: {found}")
+    if isinstance(found, Declined):
+        raise RuntimeError(f"eager's program is not one per class: {found.reason}")
     refs = References()
     for into, programs, nominal in (
         (refs.exact, found, False),
@@ -116,7 +117,7 @@ def stamped_references(
     refs.unsampled = {slot for slot in planned if (slot.group, slot.index) not in sampled}
     for slot in planned - refs.unsampled:
         try:
-            refs.before[slot] = _widened_copy(slot_tensor(inner, slot).detach())
+            refs.before[slot] = widened_copy(slot_tensor(inner, slot).detach())
         except (KeyError, IndexError):  # state the step creates
             pass
     return refs
@@ -145,10 +146,10 @@ def _run_float64(
         else:
             assert src.slot is not None
             slot = member_slot(src.slot, member[1]) if member is not None and src.kind == "member" else src.slot
-            tensor = _widened_copy(slot_tensor(opt, slot))
+            tensor = widened_copy(slot_tensor(opt, slot))
             by_slot[src.slot] = tensor
             inputs.append(tensor)
-    values = list(_Float64(program.gm, nominal).run(*inputs))
+    values = list(Float64Run(program.gm, nominal).run(*inputs))
     if member is None:
         return values[: program.exports]
     for slot, _, position in _outputs(program):

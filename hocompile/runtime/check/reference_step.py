@@ -1,4 +1,4 @@
-"""fp64 references of one optimizer step, for verify=N (hocompile/runtime/verify.py).
+"""fp64 references of one optimizer step, for verify=N (hocompile/runtime/check/verify.py).
 
 - x: eager's program, re-captured from the optimizer (so independent of
   every pass), run with each floating dtype widened to fp64;
@@ -7,7 +7,7 @@
   (for NS: as planned, Gram NS, restarts, symmetric blocks);
 - z: the compiled graph in fp64 with each Newton–Schulz op evaluated as
   standard NS in the coarser of eager's nominal precision and the plan's
-  (emulated exactly, as hocompile/newton_schulz.py does on CPUs). Only NS
+  (emulated exactly, as hocompile/ops/newton_schulz_math.py does on CPUs). Only NS
   has a precision model yet: every other family is its exact fp64
   reference in z too, so its ops add nothing to the ``‖z − y‖`` budget.
 
@@ -37,7 +37,7 @@ from ...precision.emulate import FORMATS
 from ...precision.schedule_ns import newton_schulz_scheduled
 
 if TYPE_CHECKING:
-    from ..compiled_optimizer import CompiledEntry, CompiledOptimizer
+    from ..entries import CompiledEntry, StepRunner
 
 # ------------------------------------------------------------ which tensors a plan changes
 
@@ -91,7 +91,7 @@ def _widen(value: Any) -> Any:
     return value
 
 
-class _Float64(fx.Interpreter):
+class Float64Run(fx.Interpreter):
     """Runs a graph with every floating dtype widened to fp64, each registered op by its family's
     fp64 reference. ``nominal``: each Newton–Schulz op instead as standard NS in the coarser of
     eager's and the plan's precision (other families have no nominal model: exact in both)."""
@@ -166,32 +166,32 @@ class References:
 
     @staticmethod
     def compute(
-        opt: CompiledOptimizer, entry: CompiledEntry, reference: CapturedStep, planned: frozenset[InputSlot]
+        runner: StepRunner, entry: CompiledEntry, reference: CapturedStep, planned: frozenset[InputSlot]
     ) -> References:
         assert entry.captured is not None
-        inner = opt.optimizer
-        reference_env = opt._host_env(reference)
+        inner = runner.optimizer
+        reference_env = runner.host_env(reference)
         inputs = [_widen(t) for t in step_tensors(inner, reference.inputs, reference_env)]
-        values = _Float64(reference.gm).run(*inputs, *reference.scalars(reference_env))
+        values = Float64Run(reference.gm).run(*inputs, *reference.scalars(reference_env))
         refs = References(exact={a.slot: v for a, v in zip(reference.outputs, values) if a.slot in planned})
-        env = opt._host_env(entry.captured)
+        env = runner.host_env(entry.captured)
         scalars = list(entry.captured.scalars(env))
         outputs = _graph_outputs(entry)
         for nominal, into in ((False, refs.plan), (True, refs.nominal)):
             # The aten lowering's graph copies results into its inputs: it gets copies.
-            inputs = [_widened_copy(t) for t in step_tensors(inner, entry.captured.inputs, env)]
+            inputs = [widened_copy(t) for t in step_tensors(inner, entry.captured.inputs, env)]
             by_slot = dict(zip(entry.captured.inputs, inputs))
-            values = _Float64(entry.captured.gm, nominal).run(*inputs, *scalars)
+            values = Float64Run(entry.captured.gm, nominal).run(*inputs, *scalars)
             for slot, _, position in outputs:
                 if slot in planned:
                     into[slot] = by_slot[slot] if position is None else values[position]
         for slot in planned:
             try:
-                refs.before[slot] = _widened_copy(slot_tensor(inner, slot).detach())
+                refs.before[slot] = widened_copy(slot_tensor(inner, slot).detach())
             except (KeyError, IndexError):  # state the step creates
                 pass
         return refs
 
 
-def _widened_copy(t: torch.Tensor) -> torch.Tensor:
+def widened_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64, copy=True) if t.is_floating_point() else t.clone()

@@ -62,18 +62,19 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...capture.trace import unwrapped_step
 from ...errors import SelfCheckWarning  # noqa: F401  (defined there, re-exported here)
+from ...ir.declined import Declined
 from ...ir.graph import InputSlot
+from ..records import BUDGET, RankGroup, SelfCheck
 from .compare import compare as _compare
 from .gemms import HalfGemmsInFp32, fp32_reference_dtypes
 from .judgement_modes import Boundaries, Rounding, force_eager, reference_run
-from .ranks import RankGroup, step_collective_group
+from .ranks import step_collective_group
 from .reference_classes import stamped_planned
 from .reference_step import plan_dependent_slots
 from .slices import first_check_slices
@@ -88,7 +89,6 @@ log = logging.getLogger("hocompile")
 CHECK_EVERY = 1000  # past the doubling steps, one check per this many steps
 # A program's checks may cost this share of its compiled steps' time, plus FREE_SECONDS in all;
 # a check due beyond that waits until the steps have paid for it (its first check always runs).
-BUDGET = 0.01
 FREE_SECONDS = 1.0
 PROBES = 1  # eager re-runs under another summation order, where a planned tensor is not eager's bits
 POINTWISE_ULPS = 8.0  # non-aten lowerings, where the plan keeps eager's arithmetic
@@ -99,6 +99,13 @@ def due(run: int) -> bool:
     return (run < CHECK_EVERY and run & (run - 1) == 0) or run % CHECK_EVERY == 0
 
 
+def _within_budget(record: SelfCheck) -> bool:
+    """A check like the last one (on whole members: a first check on slices costs a fraction of a
+    whole one) fits the budget; a program's first check always does."""
+    expected = record.each[-1] * record.whole_over_checked if record.each else 0.0
+    return record.checks == 0 or record.seconds + expected <= BUDGET * record.step_seconds + FREE_SECONDS
+
+
 def check_now(record: SelfCheck) -> bool:
     """Whether this step of the program is checked: due on the schedule (or postponed earlier), and
     within the budget with a check like the last one. A check that costs more than the schedule can pay
@@ -106,9 +113,7 @@ def check_now(record: SelfCheck) -> bool:
     rather than not at all: it waits for the credit. A program's first check always runs."""
     if not (record.pending or due(record.runs)):
         return False
-    # A check like the last one, on whole members: a first check on slices costs a fraction of a whole one
-    expected = record.each[-1] * record.whole_over_checked if record.each else 0.0
-    if record.checks == 0 or record.seconds + expected <= BUDGET * record.step_seconds + FREE_SECONDS:
+    if _within_budget(record):
         record.pending = False
         return True
     if not record.pending:
@@ -117,43 +122,15 @@ def check_now(record: SelfCheck) -> bool:
     return False
 
 
-@dataclass
-class SelfCheck:
-    """What the self-check saw of one compiled program (``CompiledEntry.self_check``)."""
-
-    runs: int = 0  # steps this program was selected for
-    checks: int = 0
-    seconds: float = 0.0  # spent checking, the real step not counted
-    each: list[float] = field(default_factory=list)  # seconds of each check, in order
-    step_seconds: float = 0.0  # the program's compiled steps (checked or not), what the budget is a share of
-    pending: bool = False  # a check came due and waits for the budget
-    postponed: int = 0  # checks that came due beyond the budget and ran later
-    members: int = 0  # members the last check ran (of ``of``)
-    ranks: RankGroup | None = None  # the step's own collectives' group: checked by its ranks together
-    sliced: int = 0  # ... of which on their leading rows only (a first check: check_slices.py)
-    whole_over_checked: float = 1.0  # the last check's members' elements / the elements it ran on
-    of: int = 0
-    worst: str = ""  # the last check's tensor closest to its bound
-    skipped: str = ""  # why this program is not checked
-    failed: str = ""
-
-    def describe(self) -> str:
-        if self.skipped:
-            return f"self-check: not checked ({self.skipped})"
-        if self.failed:
-            return f"self-check FAILED on step {self.runs}: {self.failed}"
-        if not self.checks:
-            return "self-check: not run yet"
-        each = self.seconds / self.checks
-        head = f"self-check: {self.checks} step(s) checked against eager "
-        head += f"by every rank of process group {self.ranks.name} together " if self.ranks else ""
-        head += f"({self.members} of {self.of} params on the last"
-        head += f", {self.sliced} of them on leading rows, " if self.sliced else ", "
-        head += f"{each * 1e3:.1f} ms per check"
-        if self.postponed:
-            share = self.seconds / self.step_seconds if self.step_seconds else 0.0
-            head += f"; {self.postponed} postponed to keep within {BUDGET:.0%} of step time, now {share:.1%}"
-        return head + f"); {self.worst or 'all bitwise'}"
+def check_now_agreed(record: SelfCheck, ranks: RankGroup) -> bool:
+    """check_now for a step with its own collectives (check/ranks.py): every rank checks it or none.
+    Due on the schedule alone, and within every rank's budget; beyond it, skipped, not postponed."""
+    if not due(record.runs):
+        return False
+    if ranks.all(_within_budget(record)):
+        return True
+    record.postponed += 1  # skipped: the next due step asks again
+    return False
 
 
 def skip_reason(entry: CompiledEntry, settings: Settings, opt_groups: list[dict[str, Any]]) -> str:
@@ -191,7 +168,7 @@ def check(
     # A program's first check: huge elementwise members on their leading rows (check_slices.py). Whatever
     # the slice does not settle (a difference, an error on it) is settled by the check on the whole.
     rows = first_check_slices(opt, entry, keep) if record.checks == 0 and ranks is None else {}
-    outcome: tuple[list[str], str] | str | None = None
+    outcome: tuple[list[str], str] | Declined | None = None
     if rows:
         try:
             outcome = _check_on(View(keep, rows), opt, entry, remapped, settings, run, sliced=True, ranks=ranks)
@@ -201,8 +178,8 @@ def check(
             outcome, rows = None, {}
     if outcome is None:
         outcome = _check_on(View(keep), opt, entry, remapped, settings, run, sliced=False, ranks=ranks)
-    if isinstance(outcome, str):
-        return outcome
+    if isinstance(outcome, Declined):
+        return outcome.reason
     problems, worst = outcome
     record.checks += 1
     record.members, record.of = sum(map(len, keep)), sum(len(g["params"]) for g in opt.param_groups)
@@ -235,9 +212,9 @@ def _check_on(
     run: Callable[[torch.optim.Optimizer, CompiledEntry], Any],
     sliced: bool,
     ranks: RankGroup | None = None,
-) -> tuple[list[str], str] | str:
+) -> tuple[list[str], str] | Declined:
     """The compiled step and eager's on ``view``: (problems, the worst planned tensor), or the check's
-    answer without comparing ('' not checkable, with why in the record; eager's error). ``sliced``:
+    answer without comparing (Declined('') not checkable, with why in the record; eager's error). ``sliced``:
     every error is raised (the caller checks whole instead)."""
     record = entry.self_check
     planned = _planned(entry, settings.fused_updates)
@@ -250,7 +227,7 @@ def _check_on(
         if sliced:
             raise
         record.skipped = f"the check's copies cannot hold what it holds: {exc}"
-        return ""
+        return Declined("")
     step, recorded = unwrapped_step(opt), recorder.recorded
 
     def boundaries() -> list[Any]:  # the compiled step's decompositions handed to eager (judgement.py)
@@ -300,7 +277,7 @@ def _check_on(
     except Exception as exc:  # noqa: BLE001 - eager's own error: the real eager step raises it again
         if sliced:
             raise
-        return f"eager's step could not run on copies ({type(exc).__name__}: {exc})"
+        return Declined(f"eager's step could not run on copies ({type(exc).__name__}: {exc})")
     return outcome
 
 

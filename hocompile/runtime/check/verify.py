@@ -76,80 +76,43 @@ import torch
 from ...capture.containers import describe_spec, flatten, holds_tensors
 from ...capture.host_state import HostSlot
 from ...capture.stand_ins import tensor_attributes
-from ...capture.trace import CapturedStep, capture, unwrapped_step
+from ...capture.trace import capture, unwrapped_step
 from ...errors import VerificationError  # noqa: F401  (defined there, re-exported here)
 from ...ir.graph import InputSlot
 from ...settings import Fallback
+from ..records import ALGEBRA_TOLERANCE, Verification
 from ..warm import discard_stale
 from .judgement_modes import reference_run
 from .reference_classes import expand_host_slots, stamped_planned, stamped_references
 from .reference_step import References, plan_dependent_slots
 
 if TYPE_CHECKING:  # for annotations only: compiled_optimizer and entries import this module
-    from ..compiled_optimizer import CompiledEntry, CompiledOptimizer
+    from ..entries import CompiledEntry, StepRunner
 
 log = logging.getLogger("hocompile")
 
-ALGEBRA_TOLERANCE = 1e-6  # ‖y − x‖ / ‖x − t0‖
 NS_FACTOR = 2.0  # R
 UPDATE_FLOOR = 1e-5  # F
 POINTWISE_UNITS = {"aten": 0.0}  # bitwise; any other lowering: OTHER_POINTWISE_UNITS u
 OTHER_POINTWISE_UNITS = 8.0
 
 
-@dataclass
-class Verification:
-    """What verification saw for one compiled step (``CompiledEntry.verification``)."""
-
-    steps: int = 0
-    exact: int = 0  # tensors compared bitwise (or to ulps) on the last verified step
-    budgeted: int = 0  # tensors compared against the Newton–Schulz budget
-    unsampled: int = 0  # plan-dependent tensors of members a stamped step's check leaves out
-    seconds: float = 0.0  # spent checking (eager on copies, references, comparing), the compiled step not counted
-    worst: float = 0.0  # ‖c − x‖ / ‖x − t0‖ of the budgeted tensor closest to its bound
-    worst_bound: float = 0.0  # that tensor's bound, same units
-    worst_algebra: float = 0.0  # max ‖y − x‖ / ‖x − t0‖
-    worst_pointwise: float = 0.0  # max|c − e| / max|e| over the other tensors
-    failed: str = ""
-    reference: CapturedStep | None = field(default=None, repr=False)  # eager's program, for the fp64 run
-    planned: frozenset[InputSlot] | None = field(default=None, repr=False)
-
-    def describe(self) -> str:
-        if self.failed:
-            return f"verification against eager failed on step {self.steps}: {self.failed.splitlines()[1].strip()}"
-        return f"verified {self.steps} step(s) against eager: {self.summary()}"
-
-    def summary(self) -> str:
-        text = f"{self.exact} tensor(s) "
-        ulps = f"within ulps (max rel diff {self.worst_pointwise:.2g})"
-        text += "bitwise equal" if self.worst_pointwise == 0.0 else ulps
-        if self.unsampled:
-            text += f", {self.unsampled} left out (members of classes checked on a sample)"
-        if self.budgeted:
-            text += (
-                f", {self.budgeted} within the Newton–Schulz budget (max ‖compiled − exact‖ "
-                f"{self.worst:.2g} of the update, bound {self.worst_bound:.2g}; plan algebra "
-                f"{self.worst_algebra:.1g}, bound {ALGEBRA_TOLERANCE:g})"
-            )
-        return text
-
-
-def steps_to_verify(opt: CompiledOptimizer, entry: CompiledEntry) -> int:
+def steps_to_verify(runner: StepRunner, entry: CompiledEntry) -> int:
     """``verify=N``, and at least the first step of a step loaded for a warm start (warm.py)."""
-    return max(opt._settings.verify, 1 if entry.warm else 0)
+    return max(runner.settings.verify, 1 if entry.warm else 0)
 
 
-def run_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
+def run_step(runner: StepRunner, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
     """Run ``entry`` on ``opt``; checked against eager while it has run fewer than ``verify`` steps."""
-    if entry.verification.steps >= steps_to_verify(opt, entry):
-        opt._run(entry, env)
+    if entry.verification.steps >= steps_to_verify(runner, entry):
+        runner.run(entry, env)
         return
-    _verified_step(opt, entry, env)
+    _verified_step(runner, entry, env)
 
 
-def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
+def _verified_step(runner: StepRunner, entry: CompiledEntry, env: dict[str, Any] | None) -> None:
     record = entry.verification
-    inner = opt.optimizer
+    inner = runner.optimizer
     assert entry.captured is not None and entry.lowered is not None
     started = time.perf_counter()
     stamped = entry.stamped  # per parameter class (reference_classes.py)
@@ -162,30 +125,30 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
         with reference_run():  # eager's decompositions, not the step's (judgement_modes.py)
             refs = References()
             if record.planned and stamped is not None:
-                refs = stamped_references(opt, entry, record.planned)
+                refs = stamped_references(runner, entry, record.planned)
             elif record.planned:
                 # Read before anything is written: the references and pre-step values
                 # come from the real tensors; eager then runs on copies.
                 if record.reference is None:
-                    record.reference = capture(inner, opt._settings.structural_keys)
-                refs = References.compute(opt, entry, record.reference, record.planned)
+                    record.reference = capture(inner, runner.settings.structural_keys)
+                refs = References.compute(runner, entry, record.reference, record.planned)
             mirror = eager_step(inner, host_slots)
     except Exception as exc:  # nothing was written yet
         message = f"could not verify compiled step against eager: {type(exc).__name__}: {exc}"
         if entry.warm:  # a loaded step that cannot be checked is not trusted: this step runs eagerly
-            discard_stale(opt, entry, f"could not be checked against eager ({type(exc).__name__}: {exc})")
-            opt.counters.eager_fallbacks += 1
+            discard_stale(runner.forget, entry, f"could not be checked against eager ({type(exc).__name__}: {exc})")
+            runner.counters.eager_fallbacks += 1
             unwrapped_step(inner)(inner)
             return
-        if opt._settings.fallback != Fallback.EAGER or isinstance(exc, VerificationError):
+        if runner.settings.fallback != Fallback.EAGER or isinstance(exc, VerificationError):
             raise VerificationError(message) from exc
         log.warning("hocompile: %s; running it eagerly", message)
         entry.fallback = message
-        opt.counters.eager_fallbacks += 1
+        runner.counters.eager_fallbacks += 1
         unwrapped_step(inner)(inner)
         return
     ran = time.perf_counter()
-    opt._run(entry, env)
+    runner.run(entry, env)
     checking = time.perf_counter()
     problems = _compare(inner, mirror, record.planned, refs, entry.lowered.backend, record)
     for host_slot, want in mirror.host.items():
@@ -195,9 +158,9 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     record.steps += 1
     # What checking cost besides the compiled step itself (eager on copies, references, comparing).
     record.seconds += (ran - started) + (time.perf_counter() - checking)
-    number = next(k for k, e in enumerate(opt.history, start=1) if e is entry)
+    number = runner.number(entry)
     if not problems:
-        n = steps_to_verify(opt, entry)
+        n = steps_to_verify(runner, entry)
         if record.steps >= n:
             record.reference = None  # the fp64 program is not needed any more
         log.info("hocompile: compiled step #%d, verified step %d/%d against eager: %s", number, record.steps, n,
@@ -209,11 +172,11 @@ def _verified_step(opt: CompiledOptimizer, entry: CompiledEntry, env: dict[str, 
     lines.append("The optimizer holds eager's result for this step (params, grads and state).")
     record.failed = "\n".join(lines)
     if entry.warm:
-        discard_stale(opt, entry, "differs from eager on its first step:\n" + "\n".join(lines[1:-1]))
+        discard_stale(runner.forget, entry, "differs from eager on its first step:\n" + "\n".join(lines[1:-1]))
         return
-    if opt._settings.fallback == Fallback.EAGER:
+    if runner.settings.fallback == Fallback.EAGER:
         entry.fallback = "verification against eager failed: " + lines[1].strip()
-        opt.counters.eager_fallbacks += 1
+        runner.counters.eager_fallbacks += 1
         log.warning("%s This compiled step runs eagerly from now on.", record.failed)
         return
     raise VerificationError(record.failed + " Pass fallback='eager' to run it eagerly instead.")

@@ -21,26 +21,37 @@ from ...ir import dtypes
 from ...ir.decisions import decisions_of, format_seconds
 from ...ir.graph import ROLE
 from ...ir.registry import OpFamily, registered_calls
+from ...passes.pipeline import pipeline_target
 from ...targets import Target
 from ..compiled_optimizer import CompiledEntry, CompiledOptimizer
 from ..wrappers import compiled_inside
 from .measure_step import StepMeasurement, measure_entry
+from .reports import Explanation, ProgramReport
 
 
-def explain(opt: object, measure: bool = False) -> str:
-    """The compiled steps, their passes, plans and costs. ``measure=True``: time each compiled
-    step's registered ops on copies of the current params, grads and state (call it after
-    ``backward()``, while the grads are set); the optimizer itself is left as it was."""
+def explain(opt: object, measure: bool = False) -> Explanation:
+    """The compiled steps, their passes, plans and costs: a report whose text is printed and whose
+    fields (reports.py) say the same as data. ``measure=True``: time each compiled step's registered
+    ops on copies of the current params, grads and state (call it after ``backward()``, while the
+    grads are set); the optimizer itself is left as it was."""
     if not isinstance(opt, CompiledOptimizer):
         inside = compiled_inside(opt)
         if not inside:
             raise TypeError(f"explain() takes the result of compile_optimizer(), got {type(opt).__name__}")
         # A training stack's wrapper (runtime/wrappers.py): each optimizer compiled inside it, in step order.
         head = f"{type(opt).__name__}: {len(inside)} optimizer(s) compiled inside, stepped by its own step()\n"
-        return head + "".join(f"\n[{k}] " + explain(one, measure) for k, one in enumerate(inside))
+        parts = tuple(explain(one, measure) for one in inside)
+        text = head + "".join(f"\n[{k}] " + part for k, part in enumerate(parts))
+        return Explanation.make(text, optimizer=f"{type(opt).__module__}.{type(opt).__name__}", steps=0,
+                                counters={}, runs_eagerly="", as_is="", programs=(), inside=parts)
     inner = opt.optimizer
-    if opt._passthrough:
-        return f"hocompile: {type(inner).__name__}: every step runs eagerly ({opt._passthrough}); {opt.steps} steps\n"
+    facts: dict[str, Any] = {
+        "optimizer": f"{type(inner).__module__}.{type(inner).__name__}", "steps": opt.steps,
+        "counters": opt.counters.as_dict(), "runs_eagerly": opt.passthrough, "as_is": opt.as_is, "inside": (),
+    }
+    if opt.passthrough:
+        text = f"hocompile: {type(inner).__name__}: every step runs eagerly ({opt.passthrough}); {opt.steps} steps\n"
+        return Explanation.make(text, programs=(), **facts)
     n_params = sum(len(g["params"]) for g in inner.param_groups)
     c = opt.counters
     lines = [
@@ -51,20 +62,44 @@ def explain(opt: object, measure: bool = False) -> str:
         + (f", branch variants {len(c.variants)}" if c.variants else "")
         + (f", run as is {c.as_is}" if c.as_is else ""),
     ]
-    if opt._as_is:
-        lines.append(f"run as is: {opt._as_is}")
+    if opt.as_is:
+        lines.append(f"run as is: {opt.as_is}")
     elif not opt.history:
         lines.append("nothing compiled yet: the first step() compiles")
-    target = _pipeline_target(opt) if opt.history else None
+    target = pipeline_target(opt.pipeline) if opt.history else None
+    programs = []
     for number, entry in enumerate(opt.history, start=1):
         measured = measure_entry(opt.optimizer, entry) if measure else None
         lines += [""] + _entry(number, entry, target, measured)
+        programs.append(program_report(number, entry))
     if c.recompiles:
         lines += ["", "recompiles:"] + [f"  - {r}" for r in c.recompiles]
     if c.variants:
         lines += ["", "branch variants (one program per outcome of a host-number branch):"]
         lines += [f"  - {r}" for r in c.variants]
-    return "\n".join(lines) + "\n"
+    return Explanation.make("\n".join(lines) + "\n", programs=tuple(programs), **facts)
+
+
+def program_report(number: int, entry: CompiledEntry) -> ProgramReport:
+    """``entry``'s facts, as the text of :func:`_entry` states them."""
+    lowered, run, checked = entry.lowered, entry.stamped, entry.self_check
+    compiled = entry.captured is not None and lowered is not None
+    return ProgramReport(
+        number=number,
+        reason=entry.reason,
+        compile_seconds=entry.compile_seconds,
+        eager=entry.fallback,
+        stamped=run is not None,
+        traced_whole=entry.stamp_note if run is None else "",
+        classes=tuple(cls.describe() for cls in run.stamp.classes) if run is not None else (),
+        verification=entry.verification.describe() if entry.verification.steps else "",
+        self_check=checked.describe() if checked.runs and (checked.checks or checked.skipped) else "",
+        passes=tuple(entry.passes) if compiled else (),
+        plans=tuple(entry.decisions) if compiled else (),
+        backend=lowered.backend if lowered is not None and compiled else "",
+        launches=lowered.launches if lowered is not None and lowered.backend == "triton" else 0,
+        cache_key=lowered.key[:16] if lowered is not None else "",
+    )
 
 
 def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: StepMeasurement | None) -> list[str]:
@@ -80,9 +115,9 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
         f"{stats['ops']} ops ({stats['matmuls']} matmuls), {len(cap.outputs)} outputs written back",
     ]
     lines += _stamping(entry)
-    if entry.verification.steps:  # verify=N (runtime/verify.py)
+    if entry.verification.steps:  # verify=N (runtime/check/verify.py)
         lines.append(f"  {entry.verification.describe()}" + ("; runs eagerly from then on" if entry.fallback else ""))
-    checked = entry.self_check  # runtime/self_check.py
+    checked = entry.self_check  # runtime/check/self_check.py
     if checked.runs and (checked.checks or checked.skipped):
         lines.append(f"  {checked.describe()}" + ("; runs eagerly from then on" if checked.failed else ""))
     final = entry.final_stats
@@ -159,15 +194,6 @@ def _stamping(entry: CompiledEntry) -> list[str]:
     return lines
 
 
-def _pipeline_target(opt: CompiledOptimizer) -> Target | None:
-    """The target the passes planned for (None for a custom pipeline without one)."""
-    for pass_ in opt.pipeline:
-        target = getattr(pass_, "target", None)
-        if isinstance(target, Target):
-            return target
-    return None
-
-
 def registered_op_costs(
     gm: fx.GraphModule, target: Target | None, measured: StepMeasurement | None = None
 ) -> list[str]:
@@ -188,11 +214,11 @@ def registered_op_costs(
         flops = sum(c.flops for c in costs)
         matmul = sum(c.matmul_flops for c in costs)
         moved = sum(c.bytes for c in costs)
-        text = f"{family.title} (hocompile.{family.name}) x{len(nodes)}: {_amount(flops, 'FLOP')}"
+        text = f"{family.title} (hocompile.{family.name}) x{len(nodes)}: {format_amount(flops, 'FLOP')}"
         if matmul:
-            text += " (all in GEMMs)" if matmul == flops else f" ({_amount(matmul, 'FLOP')} in GEMMs)"
-        text += f", {_amount(moved, 'B')} read and written"
-        times = [_predicted_s(node, cost.matmul_flops, target) for node, cost in zip(nodes, costs)]
+            text += " (all in GEMMs)" if matmul == flops else f" ({format_amount(matmul, 'FLOP')} in GEMMs)"
+        text += f", {format_amount(moved, 'B')} read and written"
+        times = [predicted_seconds(node, cost.matmul_flops, target) for node, cost in zip(nodes, costs)]
         if target is not None and times and all(t is not None for t in times):
             text += f", {format_seconds(sum(t for t in times if t is not None))} predicted on {target.name}"
         if measured is not None and family.name in measured.per_op_s:
@@ -201,7 +227,7 @@ def registered_op_costs(
     return lines
 
 
-def _predicted_s(node: fx.Node, matmul_flops: float, target: Target | None) -> float | None:
+def predicted_seconds(node: fx.Node, matmul_flops: float, target: Target | None) -> float | None:
     applied = [d for d in decisions_of(node) if d.applied]
     if applied:  # the op runs as the last applied plan says (None: that plan predicted no time)
         return applied[-1].predicted_s
@@ -212,7 +238,7 @@ def _predicted_s(node: fx.Node, matmul_flops: float, target: Target | None) -> f
     return matmul_flops / (target.gflops[name] * 1e9)
 
 
-def _amount(value: float, unit: str) -> str:
+def format_amount(value: float, unit: str) -> str:
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if value >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"

@@ -34,31 +34,38 @@ from ...settings import Settings
 from ...targets import Target
 from ..compile_step import CompiledStep, compile_step
 from ..validate import validate
-from .explain import _amount, _predicted_s, registered_op_costs
+from .explain import format_amount, predicted_seconds, registered_op_costs
+from .reports import PlanReport
 
 
-def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings: Any) -> str:
-    """The plan report; ``settings`` are compile_optimizer's (target, precision, error_budget, schedule, backend).
+def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings: Any) -> PlanReport:
+    """The plan report (its text, and its facts as fields: reports.py); ``settings`` are
+    compile_optimizer's (target, precision, error_budget, schedule, backend).
 
     ``world``: also plan which of that many data-parallel ranks would orthogonalise each matrix
     (``distributed="replicated"``'s longest-processing-time plan), for a stamped step.
     """
     resolved = Settings.resolve(**settings)
+    name = type(optimizer).__name__
     if why := runs_as_is(optimizer):
-        return f"plan for {type(optimizer).__name__}.step: run as is: {why}\n"
+        return PlanReport.make(f"plan for {name}.step: run as is: {why}\n", optimizer=name, target="", as_is=why,
+                               stamped=False, traced_whole="", classes=(), passes=(), plans=())
     validate(optimizer)
     # The compile driver CompiledOptimizer uses, stopped before lowering.
     step = compile_step(optimizer, resolved, lower=False)
     target, records, gm = step.target, step.records, step.gm
     assert target is not None  # compile_step resolved it: no pipeline was given
-    lines = [f"plan for {type(optimizer).__name__}.step on {target.describe()}:"]
+    lines = [f"plan for {name}.step on {target.describe()}:"]
+    facts: dict[str, Any] = {"optimizer": name, "target": target.describe(), "as_is": "", "passes": tuple(records)}
     if step.stamp is None:
         if step.stamp_note:
             lines.append(f"  traced whole: {step.stamp_note}")
         lines += [f"  {r.name}: {r.summary}" for r in records]
-        lines += [f"  {line}" for line in decisions(gm)]
+        plans = decisions(gm)
+        lines += [f"  {line}" for line in plans]
         lines += [f"  {line}" for line in registered_op_costs(gm, target)]
-        return "\n".join(lines) + "\n"
+        return PlanReport.make("\n".join(lines) + "\n", stamped=False, traced_whole=step.stamp_note, classes=(),
+                               plans=tuple(plans), **facts)
     lines += [f"  {line}" for line in step.stamp.describe()[:1]]
     lines.append(f"  passes (on the representatives, {step.pass_seconds:.2f} s):")
     lines += [f"    {r.name}: {r.summary}" for r in records]
@@ -66,7 +73,8 @@ def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings:
     lines += _memory(optimizer, step)
     if world:
         lines += _ownership(step, world)
-    return "\n".join(lines) + "\n"
+    classes = tuple(cls.describe() for cls in step.stamp.classes)
+    return PlanReport.make("\n".join(lines) + "\n", stamped=True, traced_whole="", classes=classes, plans=(), **facts)
 
 
 def _stacks(node: Any, family: Any, count: int, target: Target, settings: Settings) -> str:
@@ -93,19 +101,19 @@ def _classes(opt: torch.optim.Optimizer, step: CompiledStep, target: Target, set
             lines.append(f"      {line}")
         for node, family in registered_calls(program.gm.graph):
             cost = family.cost(family.spec_of(node))
-            seconds = _predicted_s(node, cost.matmul_flops, target)
+            seconds = predicted_seconds(node, cost.matmul_flops, target)
             total_flops += cost.flops * count
             if seconds is None:
                 timed = False
             else:
                 total_s += seconds * count
-            each = f"{_amount(cost.flops, 'FLOP')}" + (f", {format_seconds(seconds)}" if seconds is not None else "")
+            each = format_amount(cost.flops, "FLOP") + (f", {format_seconds(seconds)}" if seconds is not None else "")
             lines.append(
-                f"      {family.title}: {each} per member; x{count:,} = {_amount(cost.flops * count, 'FLOP')}"
+                f"      {family.title}: {each} per member; x{count:,} = {format_amount(cost.flops * count, 'FLOP')}"
                 + (f", {format_seconds(seconds * count)} predicted" if seconds is not None else "")
                 + _stacks(node, family, count, target, settings)
             )
-    step_line = f"  the step: {_amount(total_flops, 'FLOP')} in registered ops"
+    step_line = f"  the step: {format_amount(total_flops, 'FLOP')} in registered ops"
     if timed and total_flops:
         step_line += f", {format_seconds(total_s)} predicted on {target.name} one call at a time"
         if target.prefers_batched:
@@ -136,9 +144,10 @@ def _memory(opt: torch.optim.Optimizer, step: CompiledStep) -> list[str]:
         worst = max(worst, per_member * chunk)
     total = persistent + created + worst
     return [
-        f"  peak memory (estimate): {_amount(total, 'B')} = params, grads and state {_amount(persistent, 'B')}"
-        + (f" + state the step creates {_amount(created, 'B')}" if created else "")
-        + f" + the largest call's temporaries {_amount(worst, 'B')}"
+        f"  peak memory (estimate): {format_amount(total, 'B')} = params, grads and state "
+        f"{format_amount(persistent, 'B')}"
+        + (f" + state the step creates {format_amount(created, 'B')}" if created else "")
+        + f" + the largest call's temporaries {format_amount(worst, 'B')}"
     ]
 
 
