@@ -34,6 +34,7 @@ from hocompile.lowering.triton.code import CodeWriter, KernelSource
 from hocompile.lowering.triton.ns_kernels import (
     GemmSpec,
     GramSpec,
+    NSCall,
     SymPolySpec,
     emit_newton_schulz,
     generate_gemm,
@@ -222,27 +223,10 @@ def ns_case(env: KernelEnv, case: str) -> Result:
     coefficients = [coeff] * 5
     body = CodeWriter()
     with body.indent():
-        emitted = emit_newton_schulz(
-            body,
-            x="x",
-            partials="partials",
-            P="3",
-            eps="eps",
-            out="out",
-            batch=batch,
-            m=m,
-            n=n,
-            coefficients=coefficients,
-            dtype=dtype,
-            out_dtype=out_dtype,
-            eps_mode=eps_mode,
-            algorithm=algorithm,
-            restarts=restarts,
-            arch=env.arch,
-            origin="gpu_check",
-            upcast="upcast",
-            prefix="ns0_",
-        )
+        call = NSCall(x="x", partials="partials", P="3", eps="eps", out="out", upcast="upcast", prefix="ns0_",
+                      batch=batch, m=m, n=n, coefficients=coefficients, out_dtype=out_dtype, eps_mode=eps_mode,
+                      algorithm=algorithm, arch=env.arch, origin="gpu_check")
+        emitted = emit_newton_schulz(body, call, dtype, restarts)
     w = CodeWriter()
     w.line("def run(x, eps, out, upcast):")
     with w.indent():

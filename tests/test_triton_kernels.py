@@ -32,6 +32,7 @@ from hocompile.lowering.triton.matmul_kernels import BLOCK_P
 from hocompile.lowering.triton.ns_kernels import (
     GemmSpec,
     GramSpec,
+    NSCall,
     SymPolySpec,
     emit_newton_schulz,
     generate_gemm,
@@ -197,21 +198,11 @@ def test_gemm(case: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------- a whole Newton–Schulz
 
 
-def _ns_body(w: CodeWriter, **kw: object) -> list[KernelSource]:
+def _ns_body(w: CodeWriter, *, dtype: torch.dtype, restarts: tuple[int, ...], **kw: Any) -> list[KernelSource]:
     body = CodeWriter()
-    emitted = emit_newton_schulz(
-        body,
-        x="x",
-        partials="partials",
-        P="3",
-        eps="eps",
-        out="out",
-        arch=ARCH,
-        origin="test",
-        upcast="upcast",
-        prefix="ns0_",
-        **kw,  # type: ignore[arg-type]
-    )
+    call = NSCall(x="x", partials="partials", P="3", eps="eps", out="out", upcast="upcast", prefix="ns0_",
+                  arch=ARCH, origin="test", **kw)
+    emitted = emit_newton_schulz(body, call, dtype, restarts)
     # The emitter's launch count is what its lines launch; its temporaries are the caller's to allocate.
     assert body.text().count("launch_") == emitted.launches
     assert "torch.empty" not in body.text()
@@ -377,27 +368,10 @@ def test_stable_names_and_spec_checks() -> None:
     with pytest.raises(ValueError, match="eps_mode"):
         GramSpec(1, 4, 8, torch.float32, "sm90", eps_mode="max")
     with pytest.raises(ValueError, match="m <= n"):
-        emit_newton_schulz(
-            CodeWriter(),
-            x="x",
-            partials="p",
-            P="1",
-            eps="e",
-            out="o",
-            batch=1,
-            m=8,
-            n=4,
-            coefficients=KJ,
-            dtype=torch.float32,
-            out_dtype=torch.float32,
-            eps_mode="clamp",
-            algorithm="standard",
-            restarts=(),
-            arch="sm90",
-            origin="test",
-            upcast="u",
-            prefix="p_",
-        )
+        call = NSCall(x="x", partials="p", P="1", eps="e", out="o", upcast="u", prefix="p_", batch=1, m=8, n=4,
+                      coefficients=KJ, out_dtype=torch.float32, eps_mode="clamp", algorithm="standard",
+                      arch="sm90", origin="test")
+        emit_newton_schulz(CodeWriter(), call, torch.float32, ())
 
 
 def test_launchers_refuse_arguments_their_kernel_ignores(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from hocompile.lowering.triton import module
 from hocompile.lowering.triton.code import CodeWriter, KernelSource
+from hocompile.lowering.triton.ns_kernels import NSCall
 from hocompile.lowering.triton.ns_scheduled import check_schedule, emit_newton_schulz_scheduled, schedule_formats
 from hocompile.lowering.triton.op_groups import allocations
 from hocompile.ops.newton_schulz_math import reference_fp64
@@ -49,11 +50,10 @@ def _load(kernels: list[KernelSource], body: str, tmp_path: Path) -> ModuleType:
 def _run(x: torch.Tensor, schedule: str, out_dtype: torch.dtype, tmp_path: Path, eps: float = 1e-7) -> tuple:
     batch, m, n = x.shape
     body = CodeWriter()
-    emitted = emit_newton_schulz_scheduled(
-        body, x="x", partials="partials", P="3", eps="eps", out="out", batch=batch, m=m, n=n,
-        coefficients=KJ, schedule=parse_schedule_key(schedule), out_dtype=out_dtype, eps_mode="clamp",
-        arch="interpret", origin="test", upcast="upcast", prefix="ns0_",
-    )
+    call = NSCall(x="x", partials="partials", P="3", eps="eps", out="out", upcast="upcast", prefix="ns0_",
+                  batch=batch, m=m, n=n, coefficients=KJ, out_dtype=out_dtype, eps_mode="clamp",
+                  algorithm="standard", arch="interpret", origin="test")
+    emitted = emit_newton_schulz_scheduled(body, call, parse_schedule_key(schedule))
     # The emitter's launch count is what its lines launch; its temporaries are the caller's to allocate.
     assert body.text().count("launch_") + body.text().count(".copy_(") == emitted.launches
     assert "torch.empty" not in body.text()
@@ -126,11 +126,10 @@ def test_unsupported_schedules_decline() -> None:
         check_schedule(("fp32",), "interpret", "gram")
     w = CodeWriter()
     with pytest.raises(NotImplementedError, match="cubic"):
-        emit_newton_schulz_scheduled(
-            w, x="x", partials="p", P="1", eps="e", out="o", batch=1, m=4, n=4, coefficients=[(1.5, -0.5, 0.0)],
-            schedule=("fp8_e4m3",), out_dtype=torch.float32, eps_mode="clamp", arch="interpret", origin="t",
-            upcast="u", prefix="p_",
-        )
+        call = NSCall(x="x", partials="p", P="1", eps="e", out="o", upcast="u", prefix="p_", batch=1, m=4, n=4,
+                      coefficients=[(1.5, -0.5, 0.0)], out_dtype=torch.float32, eps_mode="clamp",
+                      algorithm="standard", arch="interpret", origin="t")
+        emit_newton_schulz_scheduled(w, call, ("fp8_e4m3",))
 
 
 # ------------------------------------------------------------- end to end

@@ -18,7 +18,7 @@ from ...ir.registry import register_lowering
 from ...ops.newton_schulz_spec import NewtonSchulzSpec, newton_schulz_op
 from ...precision.calibrate import parse_schedule_key
 from .code import CodeWriter
-from .ns_kernels import emit_newton_schulz
+from .ns_kernels import NSCall, emit_newton_schulz
 from .ns_scheduled import emit_newton_schulz_scheduled
 from .op_groups import BACKEND, GroupCode, GroupNames, OpGroup, Workspace
 
@@ -44,31 +44,30 @@ class NewtonSchulzEmitter:
         node = group.node
         # (spec.blocks is an aten option: the kernels compute symmetric products on lower tiles anyway)
         w = CodeWriter()
-        common: dict[str, Any] = dict(
+        schedule = str(spec.schedule)
+        origin = f"fuse-newton-schulz{'/choose-precision' if schedule else ''} node {node.name}"
+        call = NSCall(
             x=names.x,
             partials=names.partials,
             P=str(names.n_partials),
             eps=names.scalar(spec.eps),  # a 0-d view: read on the device, never baked in
             out=names.out,
+            upcast=names.upcast,
+            prefix=names.prefix,
             batch=group.batch,
             m=group.m,
             n=group.n,
             coefficients=spec.coefficients,
             out_dtype=spec.out_dtype,
             eps_mode=spec.eps_mode,
-            arch=names.arch,
-            upcast=names.upcast,
-            prefix=names.prefix,
             algorithm=spec.algorithm,
+            arch=names.arch,
+            origin=origin,
         )
-        schedule = str(spec.schedule)
         if schedule:
-            origin = f"fuse-newton-schulz/choose-precision node {node.name}"
-            emitted = emit_newton_schulz_scheduled(w, schedule=parse_schedule_key(schedule), origin=origin, **common)
+            emitted = emit_newton_schulz_scheduled(w, call, parse_schedule_key(schedule))
         else:
-            origin = f"fuse-newton-schulz node {node.name}"
-            restarts = list(spec.restarts)
-            emitted = emit_newton_schulz(w, dtype=spec.compute_dtype, restarts=restarts, origin=origin, **common)
+            emitted = emit_newton_schulz(w, call, spec.compute_dtype, list(spec.restarts))
         plan = f"{spec.algorithm} schedule {schedule}" if schedule else spec.algorithm
         summary = (
             f"newton-schulz group {group.index}: {group.batch} x {group.m}x{group.n} {plan}, "

@@ -111,37 +111,40 @@ class KernelSet:
         return self.used[name].launcher
 
 
-def emit_newton_schulz(
-    w: CodeWriter,
-    *,
-    x: str,
-    partials: str,
-    P: str,
-    eps: str,
-    out: str,
-    batch: int,
-    m: int,
-    n: int,
-    coefficients: Sequence[tuple[float, float, float]],
-    dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    eps_mode: str,
-    algorithm: str,
-    restarts: Sequence[int],
-    arch: str,
-    origin: str,
-    upcast: str,
-    prefix: str,
-) -> NSLaunches:
-    """Write the launches of one NS on ``x`` (``[batch, m, n]``, m <= n, in ``dtype``) into ``out``.
+@dataclass(frozen=True)
+class NSCall:
+    """One Newton–Schulz call to emit: where its operands live in the generated code, its
+    ``[batch, m, n]`` shape (wide: m <= n) and its plan. ``partials`` names the ``[batch, P]``
+    fp32 partial sums of squares of ``x`` (the gram launcher reads their count from the tensor,
+    so ``P``, its expression, is only written into a comment); ``eps`` is a 0-d fp32 device
+    tensor expression, ``upcast`` the expression passed as launchers' upcast; temporaries are
+    named ``prefix`` ``buf<i>``; ``origin`` names the node the kernels come from."""
 
-    ``partials`` names the ``[batch, P]`` fp32 partial sums of squares of x;
-    the gram launcher reads their count from the tensor, so ``P`` (its
-    expression) is only written into a comment. ``eps`` is a 0-d fp32 device
-    tensor expression, ``upcast`` the expression passed as launchers' upcast.
-    Returns the kernels used (each once), the temporaries (named ``prefix``
-    ``buf<i>``, for the caller to allocate) and the launch count.
-    """
+    x: str
+    partials: str
+    P: str
+    eps: str
+    out: str
+    upcast: str
+    prefix: str
+    batch: int
+    m: int
+    n: int
+    coefficients: Sequence[tuple[float, float, float]]
+    out_dtype: torch.dtype
+    eps_mode: str
+    algorithm: str
+    arch: str
+    origin: str
+
+
+def emit_newton_schulz(w: CodeWriter, call: NSCall, dtype: torch.dtype, restarts: Sequence[int]) -> NSLaunches:
+    """Write the launches of ``call`` on ``x`` (in ``dtype``) into ``out``: the kernels used (each
+    once), the temporaries (for the caller to allocate) and the launch count."""
+    x, partials, P, eps, out, upcast, prefix = (call.x, call.partials, call.P, call.eps, call.out, call.upcast,
+                                                call.prefix)
+    batch, m, n, coefficients, out_dtype = call.batch, call.m, call.n, call.coefficients, call.out_dtype
+    eps_mode, algorithm, arch, origin = call.eps_mode, call.algorithm, call.arch, call.origin
     if m > n:
         raise ValueError(f"emit_newton_schulz takes the wide orientation (m <= n), got {m}x{n}")
     if algorithm not in ("standard", "gram"):

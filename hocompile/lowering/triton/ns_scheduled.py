@@ -44,7 +44,7 @@ from ...precision.emulate import FORMATS
 from .code import CodeWriter, KernelSource
 from .fp8_kernels import FP8_ARCHS, FP8_FORMATS, Fp8GemmSpec, amax_tiles, generate_fp8_gemm
 from .matmul_kernels import BLOCK_P, GemmSpec, GramSpec, SymPolySpec, gram_denominator
-from .ns_kernels import KernelSet, NSLaunches, Temporaries
+from .ns_kernels import KernelSet, NSCall, NSLaunches, Temporaries
 
 # Formats the scheduled kernels run natively as a storage dtype (names from hocompile.ir.dtypes).
 FLOAT_FORMATS = frozenset({"fp32", "bf16", "fp16"})
@@ -138,33 +138,14 @@ def generate_scale(
 # ---------------------------------------------------------------- emitter
 
 
-def emit_newton_schulz_scheduled(
-    w: CodeWriter,
-    *,
-    x: str,
-    partials: str,
-    P: str,
-    eps: str,
-    out: str,
-    batch: int,
-    m: int,
-    n: int,
-    coefficients: Sequence[tuple[float, float, float]],
-    schedule: Sequence[str],
-    out_dtype: torch.dtype,
-    eps_mode: str,
-    arch: str,
-    origin: str,
-    upcast: str,
-    prefix: str,
-    algorithm: str = "standard",
-) -> NSLaunches:
-    """Write the launches of one scheduled NS on fp32 ``x`` (``[batch, m, n]``, m <= n) into ``out``.
-
-    Arguments and result as :func:`ns_kernels.emit_newton_schulz`, but ``x``
-    must hold the NS input in fp32 (the reference normalises the fp32 input)
-    and ``schedule`` names iteration k's format.
-    """
+def emit_newton_schulz_scheduled(w: CodeWriter, call: NSCall, schedule: Sequence[str]) -> NSLaunches:
+    """Write the launches of one scheduled NS into ``out``: as :func:`ns_kernels.emit_newton_schulz`,
+    but ``call.x`` must hold the NS input in fp32 (the reference normalises the fp32 input) and
+    ``schedule`` names iteration k's format."""
+    x, partials, P, eps, out, upcast, prefix = (call.x, call.partials, call.P, call.eps, call.out, call.upcast,
+                                                call.prefix)
+    batch, m, n, coefficients, out_dtype = call.batch, call.m, call.n, call.coefficients, call.out_dtype
+    eps_mode, algorithm, arch, origin = call.eps_mode, call.algorithm, call.arch, call.origin
     if m > n:
         raise ValueError(f"emit_newton_schulz_scheduled takes the wide orientation (m <= n), got {m}x{n}")
     if len(schedule) != len(coefficients) or not coefficients:
