@@ -51,8 +51,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ...capture.trace import unwrapped_step
+from .eager_copies import put_back
 from .judgement_modes import Boundaries, Rounding, force_eager
-from .verify import put_back
 
 SPREAD_FACTOR = 4.0  # the candidate may sit this far beyond the farthest probe
 FLOOR = 1e-5  # ‖update‖ share always allowed: fp32 rounding of an update computed another way

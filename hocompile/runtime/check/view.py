@@ -3,7 +3,7 @@
 A view holds, per group, copies of the members it keeps (grads and Python attributes with them) and
 private copies of what a run may change in place: group entries, optimizer attributes and the kept
 members' state (tensors cloned; containers and objects holding tensors, and plain lists and dicts,
-deep-copied). The optimizer gets its own objects back after the run (verify.put_back), and the run's
+deep-copied). The optimizer gets its own objects back after the run (eager_copies.put_back), and the run's
 results come back by name: ``g0.p3`` (a param), ``g0.p3.grad``, ``g0.p3.exp_avg`` (state),
 ``g0.p3.@main_grad`` (a tensor attribute),
 ``g0.step`` (a group entry), ``attr.calls`` (an attribute), a container's leaves by their path.
@@ -24,8 +24,8 @@ import torch
 from ...capture.containers import flatten, holds_tensors
 from ...capture.snapshot import random_state_kept
 from ...capture.stand_ins import real_id, tensor_attributes
+from .eager_copies import copy_param, put_back, require_untouched, tensor_versions
 from .slices import sliced
-from .verify import copy_param, put_back, require_untouched, tensor_versions
 
 
 @dataclass
