@@ -35,8 +35,8 @@ from ..passes import Pass
 from ..settings import Fallback, Settings
 from .check.checked_run import run_checked
 from .compile_step import compile_step, params_device, resolve_backend, step_pipeline
+from .drop_in import DropIn
 from .entries import (
-    FORWARDED,
     CompiledEntry,
     Counters,
     LinAlgFallbackWarning,
@@ -61,7 +61,7 @@ VARIANTS_PER_SIGNATURE = 4
 log = logging.getLogger("hocompile")
 
 
-class CompiledOptimizer(torch.optim.Optimizer):
+class CompiledOptimizer(DropIn):
     """Runs the wrapped optimizer's step as a compiled graph."""
 
     def __init__(
@@ -108,11 +108,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # The last step's signature, checked without recomputing it (fast_guard.py).
         self._fast: FastGuard | None = None
 
-    # -- the wrapped optimizer's own objects -------------------------------
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._inner
-
+    # -- what explain() reads ----------------------------------------------
     @property
     def passthrough(self) -> str:
         """Why every step runs eagerly ('' when steps compile): explain() reports it."""
@@ -122,51 +118,6 @@ class CompiledOptimizer(torch.optim.Optimizer):
     def as_is(self) -> str:
         """Why the step runs as torch runs it (torch's own fused kernel), once seen; else ''."""
         return self._as_is
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._inner.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self._inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._inner.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return self._inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._inner.defaults = value
-
-    def __getattr__(self, name: str) -> Any:
-        # Hook dicts and anything else Optimizer methods expect live on the
-        # wrapped optimizer. `_inner` itself must not recurse (unpickling).
-        if name == "_inner":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # GradScaler hands a fused optimizer its scale and inf flag as
-        # attributes; the wrapped step is what reads them (as graph inputs).
-        if name in FORWARDED:
-            setattr(self._inner, name, value)
-        else:
-            object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in FORWARDED:
-            delattr(self._inner, name)
-        else:
-            object.__delattr__(self, name)
 
     # copy.deepcopy, pickle and torch.save: the wrapped optimizer (params and
     # state) and the settings travel; compiled steps are rebuilt (or found in
@@ -179,19 +130,6 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"CompiledOptimizer({self._inner!r})"
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._inner.load_state_dict(state_dict)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._inner.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        # The next step's signature differs, so it recompiles with that reason.
-        self._inner.add_param_group(param_group)
 
     @property
     def pipeline(self) -> tuple[Pass, ...]:
