@@ -203,12 +203,12 @@ def _options(options: Mapping[str, Any] | None, more: dict[str, Any], **common: 
         raise TypeError(f"compile_optimizer() got {', '.join(map(repr, twice))} both in options= and as a keyword")
     given.update(more)
     for name in given:
+        if name in common:
+            raise TypeError(f"compile_optimizer() takes {name!r} as a keyword of its own, not in options=")
         if name not in known:
             close = difflib.get_close_matches(name, [*known, *common], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            where = " as an option: pass it as a keyword" if name in common else ""
-            raise TypeError(f"compile_optimizer() got an unknown option {name!r}{where}{hint}; options are "
-                            f"{', '.join(known)}")
+            raise TypeError(f"compile_optimizer() got an unknown option {name!r}{hint}; options are {', '.join(known)}")
     return {**common, **given}
 
 

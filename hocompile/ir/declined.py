@@ -19,7 +19,3 @@ class Declined:
 
     def __str__(self) -> str:
         return self.reason
-
-    def but(self, context: str) -> Declined:
-        """The same reason, introduced by ``context`` (``"outputs: " + reason``)."""
-        return Declined(f"{context}{self.reason}")

@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from ..distributed.sharded import step_layout
 from ..errors import CaptureError
+from ..ir.declined import Declined
 from ..settings import Backend, Distributed, Settings
 from ..targets import Target
 from .base import Pass
@@ -134,14 +135,14 @@ def pipeline_target(pipeline: tuple[Pass, ...]) -> Target | None:
     return next((t for t in (getattr(p, "target", None) for p in pipeline) if isinstance(t, Target)), None)
 
 
-def why_not_stamped(pipeline: tuple[Pass, ...], backend: str, planning: bool) -> str | None:
+def why_not_stamped(pipeline: tuple[Pass, ...], backend: str, planning: bool) -> Declined | None:
     """Why a step must be traced whole whatever its classes, or None when stamping may go on."""
     if planning:
         return None
     if backend != Backend.ATEN:
-        return f"the {backend} backend compiles a step traced whole (class programs run on the aten lowering)"
+        return Declined(f"the {backend} backend compiles a step traced whole (class programs run on the aten lowering)")
     if any(p.name == DistOwnership.name for p in pipeline):
-        return "distributed='replicated' plans owners across all matrices: traced whole"
+        return Declined("distributed='replicated' plans owners across all matrices: traced whole")
     return None
 
 

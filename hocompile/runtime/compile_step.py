@@ -297,7 +297,7 @@ def _stamped(
         return Declined("stamping is off (stamp=False / HOCOMPILE_STAMP=0)")
     declined = why_not_stamped(pipeline, backend, planning)
     if declined is not None:
-        return Declined(declined)
+        return declined
     with torch.no_grad():
         found = stamp_capture(opt, settings.structural_keys, lifted, opaque_helpers(settings))
     if isinstance(found, Declined):

@@ -107,6 +107,9 @@ class CompiledOptimizer(DropIn):
         self._created_state = False
         # The last step's signature, checked without recomputing it (fast_guard.py).
         self._fast: FastGuard | None = None
+        # What the checks and the warm start get of this optimizer (entries.StepRunner), made once.
+        self._runner = StepRunner(optimizer, self._settings, self.counters, self.history, self._run, self._host_env,
+                                  self._forget)
 
     # -- what explain() reads ----------------------------------------------
     @property
@@ -269,7 +272,7 @@ class CompiledOptimizer(DropIn):
             self._created_state = self._state_keys() != keys_before
             return
         try:
-            run_checked(self._runner(), entry, env)  # checked against eager on verify='s and the self-check's steps
+            run_checked(self._runner, entry, env)  # checked against eager on verify='s and the self-check's steps
         except torch.linalg.LinAlgError as exc:
             if not entry.fenced:
                 raise
@@ -288,11 +291,6 @@ class CompiledOptimizer(DropIn):
         keys: list[tuple[Any, ...]] = [tuple(vars(opt))]
         keys += [tuple(g) for g in opt.param_groups]
         return keys + [tuple(opt.state.get(p, ())) for g in opt.param_groups for p in g["params"]]
-
-    def _runner(self) -> StepRunner:
-        """The pieces of this optimizer the checks and the warm start use (entries.StepRunner)."""
-        return StepRunner(self._inner, self._settings, self.counters, self.history, self._run, self._host_env,
-                          self._forget)
 
     def _host_env(self, captured: CapturedStep) -> dict[str, Any]:
         return host_env(self._inner, captured)

@@ -41,8 +41,7 @@ def select(
         if candidate.captured is None:  # an eager fallback for this signature
             return Selection(candidate)
         captured = candidate.captured
-        inputs = tuple(s for s in captured.inputs if s.kind != "carry")
-        if captured.holds_containers and not aliases_hold(opt, inputs, captured.leaf_aliases, tensor_lookup(opt)):
+        if captured.holds_containers and not _aliases_hold(opt, captured):
             found.failed_guard = "the tensors kept in containers are other inputs' tensors than when compiled"
             continue
         env = host_env(captured)
@@ -57,3 +56,10 @@ def select(
         counters |= {read.name for read in captured.reads}  # a value read on the host
         found.on_counter = bool(broken.lhs.inputs() & counters or broken.rhs.inputs() & counters)
     return found
+
+
+def _aliases_hold(opt: torch.optim.Optimizer, captured: CapturedStep) -> bool:
+    """The tensors kept in containers are the same inputs' tensors as when compiled (asked only of a
+    step that keeps tensors in containers: the walk is per input)."""
+    inputs = tuple(s for s in captured.inputs if s.kind != "carry")
+    return aliases_hold(opt, inputs, captured.leaf_aliases, tensor_lookup(opt))

@@ -12,17 +12,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
 
 from ...capture.host_state import HostSlot
 from ...capture.trace import capture, slot_tensor
 from ...classes.separable import split_foreach
 from ...classes.stamp import trace_view
 from ...ir.declined import Declined
-from ...ir.graph import ROLE, InputSlot
+from ...ir.graph import InputSlot
 from ...lowering.class_programs import Program, split_programs
 from ..stamped import StampedRun, member_scalars
-from .reference_step import Float64Run, References, widened_copy
+from .reference_step import Float64Run, References, copied_outputs, plan_downstream, widened_copy
 
 if TYPE_CHECKING:
     from ..entries import CompiledEntry, StepRunner
@@ -43,11 +42,7 @@ def stamped_planned(run: StampedRun) -> frozenset[InputSlot]:
 
 
 def _program_planned(program: Program) -> set[InputSlot]:
-    downstream: set[fx.Node] = set()
-    for node in program.gm.graph.nodes:
-        is_plan = node.op == "call_function" and getattr(node.target, "namespace", "") == "hocompile"
-        if is_plan or any(a in downstream for a in node.all_input_nodes):
-            downstream.add(node)
+    downstream = plan_downstream(program.gm)
     return {slot for slot, value, _ in _outputs(program) if value in downstream}
 
 
@@ -63,12 +58,7 @@ def _outputs(program: Program) -> list[tuple[InputSlot, Any, int | None]]:
         for position, (j, value) in enumerate(zip(kept, values))
         if j >= program.exports
     ]
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
-            slot = node.args[0].meta.get(ROLE) if isinstance(node.args[0], fx.Node) else None
-            if isinstance(slot, InputSlot):
-                found.append((slot, node.args[1], None))
-    return found
+    return found + copied_outputs(gm)
 
 
 def expand_host_slots(run: StampedRun, slots: list[HostSlot]) -> list[HostSlot]:

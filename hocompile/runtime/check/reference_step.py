@@ -46,10 +46,7 @@ def plan_dependent_slots(entry: CompiledEntry) -> frozenset[InputSlot]:
     """Slots whose new value depends on a ``hocompile::`` op of the final graph."""
     assert entry.captured is not None
     captured = entry.captured
-    downstream: set[fx.Node] = set()
-    for node in captured.gm.graph.nodes:
-        if _is_plan_op(node) or any(a in downstream for a in node.all_input_nodes):
-            downstream.add(node)
+    downstream = plan_downstream(captured.gm)
     if not any(_is_plan_op(n) for n in downstream) and entry.final_stats.get("hocompile ops", 0):
         # Not the final graph (a pass returned a new module): any output may depend on a plan.
         return frozenset(action.slot for action in captured.outputs)
@@ -68,6 +65,21 @@ def _graph_outputs(entry: CompiledEntry) -> list[tuple[InputSlot, Any, int | Non
     found: list[tuple[InputSlot, Any, int | None]] = [
         (captured.outputs[index].slot, value, position) for position, (index, value) in enumerate(zip(indices, values))
     ]
+    return found + copied_outputs(gm)
+
+
+def plan_downstream(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` whose value depends on a ``hocompile::`` op (the ops included)."""
+    downstream: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if _is_plan_op(node) or any(a in downstream for a in node.all_input_nodes):
+            downstream.add(node)
+    return downstream
+
+
+def copied_outputs(gm: fx.GraphModule) -> list[tuple[InputSlot, Any, int | None]]:
+    """(slot, value node, None) per output the aten lowering copies into its input (a ``copy_`` node)."""
+    found: list[tuple[InputSlot, Any, int | None]] = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
             slot = node.args[0].meta.get(ROLE) if isinstance(node.args[0], fx.Node) else None

@@ -42,16 +42,15 @@ def explain(opt: object, measure: bool = False) -> Explanation:
         head = f"{type(opt).__name__}: {len(inside)} optimizer(s) compiled inside, stepped by its own step()\n"
         parts = tuple(explain(one, measure) for one in inside)
         text = head + "".join(f"\n[{k}] " + part for k, part in enumerate(parts))
-        return Explanation.make(text, optimizer=f"{type(opt).__module__}.{type(opt).__name__}", steps=0,
-                                counters={}, runs_eagerly="", as_is="", programs=(), inside=parts)
+        return Explanation.make(text, optimizer=f"{type(opt).__module__}.{type(opt).__name__}", inside=parts)
     inner = opt.optimizer
     facts: dict[str, Any] = {
         "optimizer": f"{type(inner).__module__}.{type(inner).__name__}", "steps": opt.steps,
-        "counters": opt.counters.as_dict(), "runs_eagerly": opt.passthrough, "as_is": opt.as_is, "inside": (),
+        "counters": opt.counters.as_dict(), "runs_eagerly": opt.passthrough, "as_is": opt.as_is,
     }
     if opt.passthrough:
         text = f"hocompile: {type(inner).__name__}: every step runs eagerly ({opt.passthrough}); {opt.steps} steps\n"
-        return Explanation.make(text, programs=(), **facts)
+        return Explanation.make(text, **facts)
     n_params = sum(len(g["params"]) for g in inner.param_groups)
     c = opt.counters
     lines = [
@@ -70,8 +69,9 @@ def explain(opt: object, measure: bool = False) -> Explanation:
     programs = []
     for number, entry in enumerate(opt.history, start=1):
         measured = measure_entry(opt.optimizer, entry) if measure else None
-        lines += [""] + _entry(number, entry, target, measured)
-        programs.append(program_report(number, entry))
+        program = program_report(number, entry)
+        lines += [""] + _entry(program, entry, target, measured)
+        programs.append(program)
     if c.recompiles:
         lines += ["", "recompiles:"] + [f"  - {r}" for r in c.recompiles]
     if c.variants:
@@ -102,8 +102,11 @@ def program_report(number: int, entry: CompiledEntry) -> ProgramReport:
     )
 
 
-def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: StepMeasurement | None) -> list[str]:
-    head = f"compiled step #{number} ({entry.reason}): {entry.compile_seconds:.2f} s"
+def _entry(
+    program: ProgramReport, entry: CompiledEntry, target: Target | None, measured: StepMeasurement | None
+) -> list[str]:
+    """The text of one compiled step; what ``program`` holds as fields is printed from it."""
+    head = f"compiled step #{program.number} ({program.reason}): {program.compile_seconds:.2f} s"
     if entry.captured is None or entry.lowered is None:
         return [head, f"  runs eagerly: {entry.fallback}"]
     cap = entry.captured
@@ -115,11 +118,10 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
         f"{stats['ops']} ops ({stats['matmuls']} matmuls), {len(cap.outputs)} outputs written back",
     ]
     lines += _stamping(entry)
-    if entry.verification.steps:  # verify=N (runtime/check/verify.py)
-        lines.append(f"  {entry.verification.describe()}" + ("; runs eagerly from then on" if entry.fallback else ""))
-    checked = entry.self_check  # runtime/check/self_check.py
-    if checked.runs and (checked.checks or checked.skipped):
-        lines.append(f"  {checked.describe()}" + ("; runs eagerly from then on" if checked.failed else ""))
+    if program.verification:  # verify=N (runtime/check/verify.py)
+        lines.append(f"  {program.verification}" + ("; runs eagerly from then on" if program.eager else ""))
+    if program.self_check:  # runtime/check/self_check.py
+        lines.append(f"  {program.self_check}" + ("; runs eagerly from then on" if entry.self_check.failed else ""))
     final = entry.final_stats
     if final:
         lines.append(
@@ -176,7 +178,7 @@ def _entry(number: int, entry: CompiledEntry, target: Target | None, measured: S
         lines += [f"    {unit}" for unit in lowered.units]
         lines.append(f"  kernels ({len(lowered.kernels)}; sources: opt.kernels()):")
         lines += [f"    {k.name}  [{k.family}]  {k.origin}" for k in lowered.kernels]
-    lines.append(f"  cache key: {entry.lowered.key[:16]}")
+    lines.append(f"  cache key: {program.cache_key}")
     return lines
 
 

@@ -48,15 +48,14 @@ def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings:
     resolved = Settings.resolve(**settings)
     name = type(optimizer).__name__
     if why := runs_as_is(optimizer):
-        return PlanReport.make(f"plan for {name}.step: run as is: {why}\n", optimizer=name, target="", as_is=why,
-                               stamped=False, traced_whole="", classes=(), passes=(), plans=())
+        return PlanReport.make(f"plan for {name}.step: run as is: {why}\n", optimizer=name, as_is=why)
     validate(optimizer)
     # The compile driver CompiledOptimizer uses, stopped before lowering.
     step = compile_step(optimizer, resolved, lower=False)
     target, records, gm = step.target, step.records, step.gm
     assert target is not None  # compile_step resolved it: no pipeline was given
     lines = [f"plan for {name}.step on {target.describe()}:"]
-    facts: dict[str, Any] = {"optimizer": name, "target": target.describe(), "as_is": "", "passes": tuple(records)}
+    facts: dict[str, Any] = {"optimizer": name, "target": target.describe(), "passes": tuple(records)}
     if step.stamp is None:
         if step.stamp_note:
             lines.append(f"  traced whole: {step.stamp_note}")
@@ -64,8 +63,7 @@ def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings:
         plans = decisions(gm)
         lines += [f"  {line}" for line in plans]
         lines += [f"  {line}" for line in registered_op_costs(gm, target)]
-        return PlanReport.make("\n".join(lines) + "\n", stamped=False, traced_whole=step.stamp_note, classes=(),
-                               plans=tuple(plans), **facts)
+        return PlanReport.make("\n".join(lines) + "\n", traced_whole=step.stamp_note, plans=tuple(plans), **facts)
     lines += [f"  {line}" for line in step.stamp.describe()[:1]]
     lines.append(f"  passes (on the representatives, {step.pass_seconds:.2f} s):")
     lines += [f"    {r.name}: {r.summary}" for r in records]
@@ -74,7 +72,7 @@ def plan(optimizer: torch.optim.Optimizer, world: int | None = None, **settings:
     if world:
         lines += _ownership(step, world)
     classes = tuple(cls.describe() for cls in step.stamp.classes)
-    return PlanReport.make("\n".join(lines) + "\n", stamped=True, traced_whole="", classes=classes, plans=(), **facts)
+    return PlanReport.make("\n".join(lines) + "\n", stamped=True, classes=classes, **facts)
 
 
 def _stacks(node: Any, family: Any, count: int, target: Target, settings: Settings) -> str:

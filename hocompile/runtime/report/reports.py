@@ -8,7 +8,9 @@ or column padding.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from ...passes import PassRecord
@@ -17,7 +19,7 @@ R = TypeVar("R", bound="Report")
 
 
 class Report(str):
-    """Text plus fields; the fields a subclass declares are set by :meth:`make`."""
+    """Text plus fields; the fields a subclass declares (each with its default) are set by :meth:`make`."""
 
     @classmethod
     def make(cls: type[R], text: str, **facts: Any) -> R:
@@ -56,23 +58,23 @@ class ProgramReport:
 class Explanation(Report):
     """``hocompile.explain(opt)``."""
 
-    optimizer: str  # the user's optimizer class, module-qualified
-    steps: int
-    counters: dict[str, Any]  # CompiledOptimizer.counters, as a dict
-    runs_eagerly: str  # why every step runs eagerly ('' where steps compile)
-    as_is: str  # why the step runs as torch runs it (torch's own fused kernel), once seen
-    programs: tuple[ProgramReport, ...]
-    inside: tuple[Explanation, ...]  # a training stack's wrapper: each optimizer compiled inside it
+    optimizer: str = ""  # the user's optimizer class, module-qualified
+    steps: int = 0
+    counters: Mapping[str, Any] = MappingProxyType({})  # CompiledOptimizer.counters, as a dict
+    runs_eagerly: str = ""  # why every step runs eagerly ('' where steps compile)
+    as_is: str = ""  # why the step runs as torch runs it (torch's own fused kernel), once seen
+    programs: tuple[ProgramReport, ...] = ()
+    inside: tuple[Explanation, ...] = ()  # a training stack's wrapper: each optimizer compiled inside it
 
 
 class PlanReport(Report):
     """``hocompile.plan(opt, ...)``."""
 
-    optimizer: str  # the optimizer class
-    target: str  # what the plan was made for, described
-    as_is: str  # why the step would run as torch runs it ('' otherwise)
-    stamped: bool
-    traced_whole: str  # why it is traced whole ('' where stamped, or not said)
-    classes: tuple[str, ...]  # each parameter class, described, where stamped
-    passes: tuple[PassRecord, ...]
-    plans: tuple[str, ...]  # the passes' decisions, one line each (a step traced whole)
+    optimizer: str = ""  # the optimizer class
+    target: str = ""  # what the plan was made for, described
+    as_is: str = ""  # why the step would run as torch runs it ('' otherwise)
+    stamped: bool = False
+    traced_whole: str = ""  # why it is traced whole ('' where stamped, or not said)
+    classes: tuple[str, ...] = ()  # each parameter class, described, where stamped
+    passes: tuple[PassRecord, ...] = ()
+    plans: tuple[str, ...] = ()  # the passes' decisions, one line each (a step traced whole)
