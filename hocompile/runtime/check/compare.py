@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .judgement import judge_tensor
+from .judgement import judge_tensor, nonfinite_difference
 from .view import ViewResult, describe_name
 
 
@@ -43,7 +43,7 @@ def compare(
             continue
         if opted_out or not probes:
             if not torch.equal(a.isfinite(), b.isfinite()):
-                problems.append(f"{want.where(name)} is non-finite where eager's is finite (or the reverse)")
+                problems.append(f"{want.where(name)} is {nonfinite_difference(a, b)}")
             continue
         spread = [p.tensors[name] for p in probes if name in p.tensors]
         verdict = judge_tensor(name, a, b, spread, want.before.get(want.entry(name)))

@@ -140,12 +140,19 @@ def judge(
     return out
 
 
+def nonfinite_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Which side is non-finite, and how much of it: the first thing to know when reading such a report."""
+    bad_got, bad_want = int((~got.isfinite()).sum()), int((~want.isfinite()).sum())
+    return (f"non-finite in {bad_got} of {got.numel()} values where eager's has {bad_want} "
+            "(nan or inf at other places)")
+
+
 def judge_tensor(
     name: str, got: torch.Tensor, want: torch.Tensor, probes: list[torch.Tensor], t0: torch.Tensor | None
 ) -> TensorVerdict:
     c, e = got.detach().double(), want.detach().double()
     if not torch.equal(c.isfinite(), e.isfinite()):
-        return TensorVerdict(name, False, math.inf, 0.0, 0.0, "non-finite where eager's is finite (or the reverse)")
+        return TensorVerdict(name, False, math.inf, 0.0, 0.0, nonfinite_difference(got, want))
     finite = e.isfinite()
     c, e = torch.where(finite, c, 0.0), torch.where(finite, e, 0.0)
     start = torch.zeros_like(e) if t0 is None else torch.where(finite, t0.detach().double().to(e.device), 0.0)

@@ -79,6 +79,7 @@ from ...settings import Fallback
 from ..records import ALGEBRA_TOLERANCE, Verification
 from ..warm import discard_stale
 from .eager_copies import Mirror, eager_step
+from .judgement import nonfinite_difference
 from .judgement_modes import reference_run
 from .reference_classes import expand_host_slots, stamped_planned, stamped_references
 from .reference_step import References, plan_dependent_slots
@@ -294,7 +295,7 @@ class _Checker:
         finite = c.isfinite() & e.isfinite() & x.isfinite() & y.isfinite() & z.isfinite()
         if not bool(finite.all()):
             if not torch.equal(c.isfinite(), e.isfinite()):
-                return f"{what} has non-finite values where eager's are finite (or the reverse)"
+                return f"{what} is {nonfinite_difference(got, want)}"
             c, e, x, y, z, t0 = (torch.where(finite, v, 0.0) for v in (c, e, x, y, z, t0))
         update = (x - t0).norm().item()
         scale = update if update > 0 else max(x.norm().item(), 1e-300)
