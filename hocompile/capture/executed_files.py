@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CompiledHelperWarning  # noqa: F401  (defined there, re-exported here)
+from .scalars import HOCOMPILE_DIR
 
 
 def dynamo_wrapper_codes() -> frozenset[types.CodeType]:
@@ -33,7 +34,7 @@ class ExecutedFiles:
 
     _INTERNAL = (
         os.path.dirname(torch.__file__),
-        os.path.dirname(os.path.abspath(__file__)),  # hocompile itself
+        HOCOMPILE_DIR,  # hocompile itself
         sysconfig.get_paths()["stdlib"],  # Python's own: its version keys the cache too
     )
 

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import CaptureError
 from ..ir.graph import ROLE, InputSlot
-from .scalars import Expr
+from .scalars import HOCOMPILE_DIR, Expr
 
 
 @dataclass
@@ -110,7 +110,7 @@ class TraceReads:
 def step_line() -> str:
     """`` at file:line (`code`)`` of the step's own line that reads: the innermost frame outside
     hocompile and torch's machinery (torch.optim's own code counts: Adafactor's reads are there)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = HOCOMPILE_DIR
     torch_dir = os.path.dirname(torch.__file__)
     optim_dir = os.path.join(torch_dir, "optim")
     for frame in reversed(traceback.extract_stack()):

@@ -451,10 +451,16 @@ def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
     return ScalarProgram(tuple(names), tuple(exprs), source, namespace["scalar_program"])
 
 
+# hocompile's own source tree (this file is in hocompile/capture/): frames and files under it are
+# hocompile's, never the user's. Every "is this our code?" test uses it, so a module moving between
+# the package's folders cannot shrink "ours" to its own folder.
+HOCOMPILE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def user_line(frames: list[traceback.FrameSummary] | None = None) -> str:
     """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile: where in the
     user's step a refusal comes from (``frames``: an exception's traceback; default: the current stack)."""
-    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    internal = (os.path.dirname(torch.__file__), HOCOMPILE_DIR)
     for frame in reversed(traceback.extract_stack() if frames is None else frames):
         if not frame.filename.startswith(internal) and "<" not in frame.filename[:1]:
             code = f" (`{frame.line.strip()}`)" if frame.line else ""

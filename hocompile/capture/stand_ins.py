@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CaptureError
 from .containers import holds_tensors
-from .scalars import user_line
+from .scalars import HOCOMPILE_DIR, user_line
 
 FLAGS = ("requires_grad", "is_leaf")
 _CLASSES = (torch.nn.Parameter,)  # classes a stand-in may take on (plain Tensor subclasses, no wrappers)
@@ -55,7 +55,7 @@ def real_flag(func: Any, args: tuple[Any, ...], stand_ins: dict[int, torch.Tenso
 def real_id(stand_ins: dict[int, torch.Tensor], builtin_id: Callable[[Any], int]) -> Callable[[Any], int]:
     """``id`` while tracing: a stand-in's is the real param's where the user's code asks
     (``id(p) in self.no_decay_ids``), its own where torch or hocompile ask (their bookkeeping)."""
-    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    internal = (os.path.dirname(torch.__file__), HOCOMPILE_DIR)
 
     def traced_id(obj: Any) -> int:
         ident = builtin_id(obj)
