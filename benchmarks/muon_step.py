@@ -228,7 +228,8 @@ def ns_errors(shapes: list[tuple[int, int]], variants: list[str], seed: int) -> 
     import hocompile
     from hocompile.ops.newton_schulz_math import newton_schulz, reference_fp64
     from hocompile.passes.choose_algorithm import decide, measured_plan
-    from hocompile.precision.measure_ns import MeasureSession, wall_timer
+    from hocompile.precision.measure_ns import wall_timer
+    from hocompile.precision.measure_session import MeasureSession
     from hocompile.settings import Settings
     from hocompile.targets import resolve_target
 

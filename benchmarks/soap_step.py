@@ -45,7 +45,7 @@ import typing_extensions
 if not hasattr(typing, "override"):  # emerging-optimizers 0.3.0 imports typing.override (Python >= 3.12)
     typing.override = typing_extensions.override  # type: ignore[attr-defined]
 
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS  # noqa: E402
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS  # noqa: E402
 from hocompile.capture.trace import capture  # noqa: E402
 from hocompile.ir.registry import registered_calls  # noqa: E402
 from hocompile.ops.eigenbasis import power_qr  # noqa: E402

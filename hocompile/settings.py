@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .capture.host_scalars import STRUCTURAL_KEYS
+from .capture.group_hypers import STRUCTURAL_KEYS
 from .diskcache import default_cache_dir
 from .precision.calibrate import parse_schedule_key
 from .precision.emulate import FORMATS

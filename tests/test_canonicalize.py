@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.passes import Canonicalize
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
-from hocompile.capture.scalars import HyperParam
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
+from hocompile.capture.hyper_params import HyperParam
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import InputSlot, verify
 

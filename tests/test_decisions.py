@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 import hocompile
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir import decisions as decisions_module
 from hocompile.ir.decisions import (

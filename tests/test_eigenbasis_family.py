@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers on Python 3.11)
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import print_graph
 from hocompile.ir.registry import check_schema, family_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from expecttest import TestCase
 
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import print_graph
 from hocompile.passes import BatchByShape, Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, Pass, run_pipeline

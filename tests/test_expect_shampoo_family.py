@@ -26,7 +26,7 @@ import torch
 from expecttest import TestCase
 
 import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers on Python 3.11)
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import print_graph
 from hocompile.optimizers import Shampoo

@@ -27,7 +27,8 @@ from hocompile.passes.choose_algorithm import Plan, decide, measured_plan, threa
 from hocompile.passes.choose_precision import plan_schedule
 from hocompile.precision.coefficients import coefficients
 from hocompile.precision.gram_half import half_gram_verdict
-from hocompile.precision.measure_ns import SPREAD_LIMIT, UNITS, MeasureSession, Program, cache_path, unit_counts
+from hocompile.precision.measure_ns import SPREAD_LIMIT, UNITS, Program, unit_counts
+from hocompile.precision.measure_session import MeasureSession, cache_path
 from hocompile.precision.spectra import SPECTRA, spectrum
 from hocompile.settings import STRUCTURAL_KEYS
 from hocompile.targets import Target

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hocompile
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ops.newton_schulz_math import flops, newton_schulz, reference_fp64
 from hocompile.ops.newton_schulz_spec import NewtonSchulzSpec

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import hocompile
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ops.newton_schulz_spec import NewtonSchulzSpec
 from hocompile.passes import Canonicalize, FuseNewtonSchulz, run_pipeline

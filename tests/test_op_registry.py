@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 import hocompile
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import graph_stats, print_graph
 from hocompile.ir.registry import Input, OpSpec, family_of, register, registered_calls, unregister

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import print_graph
 from hocompile.ir.registry import family_of

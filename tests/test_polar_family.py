@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 import tests.helpers  # noqa: F401  (typing.override for emerging-optimizers)
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.graph import print_graph
 from hocompile.ir.registry import family_of, schema_mismatches

@@ -16,7 +16,7 @@ import torch.fx as fx
 from expecttest import TestCase
 
 import hocompile
-from hocompile.capture.host_scalars import STRUCTURAL_KEYS
+from hocompile.capture.group_hypers import STRUCTURAL_KEYS
 from hocompile.capture.trace import capture
 from hocompile.ir.decisions import Decision, decided, decision_of
 from hocompile.ir.graph import describe_value

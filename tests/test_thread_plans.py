@@ -18,7 +18,8 @@ from hocompile.capture.trace import capture
 from hocompile.lowering.aten import _on_threads, call_kernels_directly, planned_threads
 from hocompile.passes import Canonicalize, ChooseAlgorithm, FuseNewtonSchulz, choose_algorithm, run_pipeline
 from hocompile.passes.choose_algorithm import MAX_ONE_THREAD_WORK, Plan, decide, measured_plan, thread_twins
-from hocompile.precision.measure_ns import MAX_REPS, UNITS, Candidate, MeasureSession, Program, intra_op_threads
+from hocompile.precision.measure_ns import MAX_REPS, UNITS, Candidate, Program, intra_op_threads
+from hocompile.precision.measure_session import MeasureSession
 from hocompile.settings import STRUCTURAL_KEYS
 from hocompile.targets import Target
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .scalars import HyperParam
+from .hyper_params import HyperParam
 
 
 def eager_int(x: HyperParam) -> bool:

@@ -54,7 +54,7 @@ from .compiled_calls import (
     eager_int,
 )
 from .executed_files import dynamo_wrapper_codes
-from .scalars import HyperParam
+from .hyper_params import HyperParam
 
 _MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot", "linalg_matrix_power"})
 

@@ -28,7 +28,7 @@ from ..errors import CaptureError
 from ..ir.graph import InputSlot
 from .containers import Spec, flatten, holds_tensors, is_mutable_container, rebuild, replace_leaves, unflatten
 from .host_state import MISSING, is_constant
-from .scalars import HyperParam
+from .hyper_params import HyperParam
 
 # Attributes every torch Optimizer has (hooks, profiling names): never the step's data.
 _OPTIMIZER_INTERNALS = frozenset({"state", "param_groups", "defaults"})

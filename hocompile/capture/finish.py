@@ -19,7 +19,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ..ir.graph import ORIGIN, ROLE, InputSlot
-from .scalars import Expr, ScalarTracker
+from .hyper_params import ScalarTracker
+from .scalars import Expr
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ first step's value. So the capture finds each such write (by comparing the
 objects before and after a trace), and
 
 - a *number* that the step reads and rewrites becomes a host input (a
-  :class:`~hocompile.capture.scalars.HyperParam` during the trace, like ``lr``),
+  :class:`~hocompile.capture.hyper_params.HyperParam` during the trace, like ``lr``),
   masked out of the guard signature, and its new value an expression the
   runtime evaluates after every step (:class:`HostUpdate`);
 - a value the step sets from constants (``True``, ``0``) is written back as
@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError
-from .scalars import Expr, HyperParam
+from .hyper_params import HyperParam
+from .scalars import Expr
 
 MISSING: Any = object()  # a slot the optimizer does not have (yet)
 

@@ -28,16 +28,19 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..distributed.sharded import global_fakes, is_dtensor
+from ..errors import CaptureError
 from ..ir.graph import InputSlot
 from . import stand_ins
 from .collectives import traced_collectives
 from .compiled_helpers import opaque_compiled_helpers
 from .container_trace import ContainerTrace, TreeWrite, container_attributes
 from .containers import holds_tensors
+from .group_hypers import counter_name, restore_groups, swap_in_hyperparams
 from .host_reads import TraceReads
-from .host_scalars import CaptureError, HostScalarMode, counter_name, restore_groups, swap_in_hyperparams
+from .host_scalars import HostScalarMode
 from .host_state import MISSING, Change, HostSlot
-from .scalars import HyperParam, ScalarTracker, input_expr, sentinel
+from .hyper_params import HyperParam, ScalarTracker, sentinel
+from .scalars import input_expr
 from .slots import TraceView, group_containers, slot_tensor
 from .snapshot import Snapshot
 from .tracing_errors import tracing_error

@@ -11,7 +11,7 @@ import torch
 from ..ir.graph import InputSlot
 from .container_trace import container_attributes, container_value, leaf_slots
 from .containers import holds_tensors, leaf, tensor_leaves
-from .host_scalars import is_float
+from .group_hypers import is_float
 from .stand_ins import tensor_attributes
 
 # Which params a trace hands the step, per group: their indices into the group's own

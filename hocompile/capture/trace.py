@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..distributed.sharded import mark_sharded
+from ..errors import CaptureError
 from ..ir.graph import InputSlot, graph_stats
 from . import matmul_precision, stand_ins
 from .collectives import refuse_several_groups, refuse_untraced_collectives
@@ -38,7 +39,6 @@ from .container_trace import TreeWrite, leaf_aliases
 from .executed_files import ExecutedFiles, compiled_helpers_note
 from .finish import OutputAction, finish_placeholders, functional_outputs, lift_scalars
 from .host_reads import HostRead, split_at_reads
-from .host_scalars import CaptureError
 from .host_state import HostSlot, HostUpdate, host_updates, needs_lifting
 from .one_trace import CounterRead, trace_once, unwrapped_step
 from .scalars import Guard, ScalarProgram, build_scalar_program

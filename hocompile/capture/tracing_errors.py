@@ -8,8 +8,8 @@ import traceback
 import torch
 
 from ..errors import CaptureError
-from .host_scalars import user_line
 from .host_state import HostSlot
+from .scalars import user_line
 
 
 def tracing_error(opt: torch.optim.Optimizer, exc: Exception, lifted: frozenset[HostSlot]) -> CaptureError:

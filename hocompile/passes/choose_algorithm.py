@@ -50,7 +50,6 @@ from ..precision.measure_ns import (
     BUDGET_S,
     MARGIN,
     Candidate,
-    MeasureSession,
     Program,
     Timer,
     estimate,
@@ -58,6 +57,7 @@ from ..precision.measure_ns import (
     unit_counts,
     wall_timer,
 )
+from ..precision.measure_session import MeasureSession
 from ..targets import Target
 from .base import Pass, PassResult
 

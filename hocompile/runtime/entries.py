@@ -106,7 +106,7 @@ class CompiledEntry:
     final_stats: dict[str, int] = field(default_factory=dict)
     verification: Verification = field(default_factory=Verification)  # verify=N: steps checked against eager
     self_check: SelfCheck = field(default_factory=SelfCheck)  # the sampled check, on by default (self_check.py)
-    fenced: bool = False  # a LinAlgError it raises has written nothing (compile_step.CompiledStep.fenced)
+    fenced: bool = False  # a LinAlgError it raises has written nothing (lower_step.CompiledStep.fenced)
     # Traced on one representative per parameter class (classes/stamp.py): how its programs run per
     # member; else None, and ``stamp_note`` says why the step was traced whole.
     stamped: StampedRun | None = None

@@ -17,7 +17,7 @@ import torch
 
 from ..capture.container_trace import container_attributes
 from ..capture.containers import flatten, holds_tensors
-from ..capture.host_scalars import is_hyperparameter
+from ..capture.group_hypers import is_hyperparameter
 from ..capture.host_state import HostSlot
 from ..capture.stand_ins import frozen_attributes
 

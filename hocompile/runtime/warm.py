@@ -154,7 +154,7 @@ def _decode_program(data: dict[str, Any]) -> Program:
 
 
 def encode_step(step: Any, key: str) -> bytes | None:
-    """``step`` (a compile_step.CompiledStep, before lowering: it rewrites the graphs) as a record;
+    """``step`` (a lower_step.CompiledStep, before lowering: it rewrites the graphs) as a record;
     None where it cannot be kept (said at INFO)."""
     captured: CapturedStep = step.captured
     if holds_compiled_calls(step.gm):
@@ -220,7 +220,7 @@ def discard(path: Path) -> None:
 
 
 def rebuild(record: WarmRecord, step_type: Any) -> Any:
-    """The compile_step.CompiledStep a record holds, not yet lowered (``step_type``: that class)."""
+    """The lower_step.CompiledStep a record holds, not yet lowered (``step_type``: that class)."""
     cap = dict(record.captured)
     gm = graph_codec.decode(cap.pop("gm"))
     exprs = cap.pop("scalars")

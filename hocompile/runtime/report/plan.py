@@ -32,7 +32,8 @@ from ...passes.batch_by_shape import BatchByShape, stack_bytes_of
 from ...passes.dist_ownership import BUCKET_BYTES, ITEM_COST, MIN_ITEMS_PER_RANK
 from ...settings import Settings
 from ...targets import Target
-from ..compile_step import CompiledStep, compile_step
+from ..compile_step import compile_step
+from ..lower_step import CompiledStep
 from ..validate import validate
 from .explain import format_amount, predicted_seconds, registered_op_costs
 from .reports import PlanReport
