@@ -47,7 +47,7 @@ def test_user_muon_mutating_grad_writes_grad_back() -> None:
     params[0].grad = torch.randn(6, 4)
     captured = capture(opt, STRUCTURAL_KEYS)
     copies = {a.slot for a in captured.outputs if a.mode == "copy"}
-    assert InputSlot("grad", 0, 0) in copies  # grad.lerp_ in Keller Jordan's code
+    assert InputSlot.grad(0, 0) in copies  # grad.lerp_ in Keller Jordan's code
 
 
 def test_capture_restores_the_optimizer() -> None:

@@ -65,7 +65,7 @@ def leaf_slots(base: InputSlot, value: Any, owned: set[int]) -> list[InputSlot]:
     for j, (t, path) in enumerate(zip(leaves, paths)):
         if id(t) not in owned:  # the first place a tensor is found is its input; the rest alias it
             owned.add(id(t))
-            slots.append(InputSlot(base.kind, base.group, base.index, base.key, j, path))
+            slots.append(base.leaf_at(j, path))
     return slots
 
 
@@ -96,7 +96,7 @@ class ContainerTrace:
         leaves, spec, paths = flatten(real)
         fakes = []
         for j, (t, path) in enumerate(zip(leaves, paths)):
-            slot = InputSlot(base.kind, base.group, base.index, base.key, j, path)
+            slot = base.leaf_at(j, path)
             fake = self.by_slot.get(slot, self.fake_of.get(id(t)))
             if fake is None:
                 raise CaptureError(f"{slot.describe()} is a tensor hocompile does not substitute")
@@ -125,7 +125,7 @@ class ContainerTrace:
             elif id(t) in self.produced:  # one tensor the step made, kept in two places: one output
                 sources.append(("out", self.produced[id(t)]))
             else:
-                slot = InputSlot(base.kind, base.group, base.index, base.key, j, path)
+                slot = base.leaf_at(j, path)
                 assigns.append(slot)
                 values.append(t)
                 self.produced[id(t)] = slot
@@ -146,7 +146,7 @@ class ContainerTrace:
         if base in self.inputs and self.inputs[base][0].signature() == spec.signature():
             for j, (now, was) in enumerate(zip(leaves, self.inputs[base][1])):
                 if now is not was:
-                    assigns.append(InputSlot(base.kind, base.group, base.index, base.key, j, paths[j]))
+                    assigns.append(base.leaf_at(j, paths[j]))
                     values.append(now)
             return True
         if not leaves and base in self.inputs and not self.inputs[base][1]:
@@ -193,7 +193,7 @@ def _check_values(base: InputSlot, spec: Spec, before: set[int]) -> None:
 
 
 def _base(slot: InputSlot) -> InputSlot:
-    return InputSlot(slot.kind, slot.group, slot.index, slot.key)
+    return slot.whole()
 
 
 def container_value(opt: torch.optim.Optimizer, base: InputSlot) -> Any:
@@ -270,28 +270,28 @@ def leaf_aliases(
     inputs = set(slots)
     pairs = []
     for key, value in vars(opt).items():  # a tensor attribute that is another input (a param)
-        attr = InputSlot("attr", -1, -1, key)
+        attr = InputSlot.attribute(key)
         if key != "state" and isinstance(value, torch.Tensor) and attr not in inputs and id(value) in by_id:
             pairs.append((attr, by_id[id(value)]))
     for base, value in _containers(opt):
         leaves, _, paths = flatten(value)
         for j, (t, path) in enumerate(zip(leaves, paths)):
-            leaf = InputSlot(base.kind, base.group, base.index, base.key, j, path)
+            leaf = base.leaf_at(j, path)
             if leaf not in inputs and id(t) in by_id:
                 pairs.append((leaf, by_id[id(t)]))
     return tuple(pairs)
 
 
 def _containers(opt: torch.optim.Optimizer) -> list[tuple[InputSlot, Any]]:
-    found = [(InputSlot("attr", -1, -1, k), vars(opt)[k]) for k in container_attributes(opt)]
+    found = [(InputSlot.attribute(k), vars(opt)[k]) for k in container_attributes(opt)]
     for g, group in enumerate(opt.param_groups):
-        found += [(InputSlot("group", g, -1, k), v) for k, v in sorted(group.items())
+        found += [(InputSlot.group_entry(g, k), v) for k, v in sorted(group.items())
                   if k != "params" and not isinstance(v, torch.Tensor) and holds_tensors(v)]
     for g, group in enumerate(opt.param_groups):
         for i, p in enumerate(group["params"]):
             for k, v in sorted(opt.state.get(p, {}).items()):
                 if not isinstance(v, torch.Tensor) and holds_tensors(v):
-                    found.append((InputSlot("state", g, i, k), v))
+                    found.append((InputSlot.state(g, i, k), v))
     return found
 
 

@@ -184,7 +184,7 @@ def split_at_reads(
                     "uses and is not a tensor; hocompile cannot hand it on"
                 )
             j = counts[stage] = counts.get(stage, -1) + 1
-            exports[n] = InputSlot("carry", stage, j, f"read{stage}.{j}")
+            exports[n] = InputSlot.carry(stage, j)
     by_stage: list[list[fx.Node]] = [[] for _ in reads.nodes]
     for n in gm.graph.nodes:
         if n in stage_of:

@@ -189,15 +189,15 @@ class _StepTrace:
         self._install_group_and_attribute_tensors()
         self.fake_of = {id(real): self.by_slot[s] for s, real in zip(self.slots, self.real_inputs)}  # aliases
         for key, value in list(self.saved_attrs.items()):  # a tensor attribute that is a param's (w_q): its fake
-            own = InputSlot("attr", -1, -1, key) in self.by_slot
+            own = InputSlot.attribute(key) in self.by_slot
             if key != "state" and isinstance(value, torch.Tensor) and not own and id(value) in self.fake_of:
                 setattr(opt, key, self.fake_of[id(value)])
         self.boxes = ContainerTrace(self.by_slot, self.fake_of)
         for key in container_attributes(opt):  # copies holding fakes: the real ones stay as they are
-            setattr(opt, key, self.boxes.install(InputSlot("attr", -1, -1, key), vars(opt)[key]))
+            setattr(opt, key, self.boxes.install(InputSlot.attribute(key), vars(opt)[key]))
         self.boxed_groups = [(g, key) for g, group in enumerate(groups) for key in group_containers(group)]
         for g, key in self.boxed_groups:
-            groups[g][key] = self.boxes.install(InputSlot("group", g, -1, key), groups[g][key])
+            groups[g][key] = self.boxes.install(InputSlot.group_entry(g, key), groups[g][key])
         self.installed = [dict(group) for group in groups]
         self.installed_attrs = dict(vars(opt))
 
@@ -224,11 +224,11 @@ class _StepTrace:
             params = [original[i] for i in present]
             for k, i in enumerate(present):
                 p = original[i]
-                if (slot := InputSlot("param", g, i)) not in by_slot:
+                if (slot := InputSlot.param(g, i)) not in by_slot:
                     self.fake_state[p] = dict(self.saved_state.get(p, {}))
                     continue
                 fp = by_slot[slot]
-                fp.grad = by_slot[InputSlot("grad", g, i)]
+                fp.grad = by_slot[InputSlot.grad(g, i)]
                 self.mode.stand_ins[id(fp)] = p  # requires_grad, is_leaf: the real param's (stand_ins.py)
                 where = f"param_groups[{g}]['params'][{i}]"
                 self.param_attrs[(g, i)] = (fp, stand_ins.install(fp, p, where, lambda t: self.fake_of.get(id(t))))
@@ -247,7 +247,7 @@ class _StepTrace:
         """One param's state with traced tensors; 0-d tensors become host counters."""
         entry = dict(real_entry)
         for key in entry:
-            slot = InputSlot("state", g, i, key)
+            slot = InputSlot.state(g, i, key)
             if not isinstance(entry[key], torch.Tensor) and holds_tensors(entry[key]):
                 entry[key] = self.boxes.install(slot, entry[key])
                 continue
@@ -279,18 +279,18 @@ class _StepTrace:
         assigns, values = self.attr_assigns, self.attr_values
         boxed = {
             (g, key) for g, key in self.boxed_groups
-            if boxes.finish(InputSlot("group", g, -1, key), groups[g].get(key, MISSING), assigns, values)
+            if boxes.finish(InputSlot.group_entry(g, key), groups[g].get(key, MISSING), assigns, values)
         }
         for g, key, after in restore_groups(groups, self.saved_groups, self.installed):
             if (g, key) in boxed:
                 continue
-            base = InputSlot("group", g, -1, key)
+            base = InputSlot.group_entry(g, key)
             if boxes.assign_tensor(base, after, assigns, values) or boxes.finish(base, after, assigns, values):
                 continue  # a tensor, or a container of tensors, the step put in the group
             self.changes.append(Change(HostSlot("group", key, g), self.saved_groups[g].get(key, MISSING), after))
         for key in sorted((set(vars(opt)) | set(self.installed_attrs)) - {"state"}):
             after = vars(opt).get(key, MISSING)
-            slot = InputSlot("attr", -1, -1, key)
+            slot = InputSlot.attribute(key)
             if boxes.finish(slot, after, assigns, values):
                 pass  # a container of tensors: its writes are outputs
             elif after is not self.installed_attrs.get(key, MISSING) and not boxes.assign_tensor(
@@ -317,7 +317,7 @@ class _StepTrace:
             # in the step's own insertion order: the graph's outputs must not depend on hashing
             for key in list(self.fake_state[fp]) + [k for k in ours if k not in self.fake_state[fp]]:
                 value = self.fake_state[fp].get(key, MISSING)
-                st = InputSlot("state", g, i, key)
+                st = InputSlot.state(g, i, key)
                 if self.boxes.finish(st, value, self.assigns, values):
                     continue
                 if isinstance(value, torch.Tensor):

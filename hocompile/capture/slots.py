@@ -30,17 +30,17 @@ def input_slots(opt: torch.optim.Optimizer, view: TraceView | None = None) -> li
             p = params[i]
             if p.grad is None:
                 continue
-            slots += [InputSlot("param", g, i), InputSlot("grad", g, i)]
+            slots += [InputSlot.param(g, i), InputSlot.grad(g, i)]
             state = opt.state.get(p, {})
             for k in sorted(state):
                 if isinstance(state[k], torch.Tensor):
-                    slots.append(InputSlot("state", g, i, k))
+                    slots.append(InputSlot.state(g, i, k))
                 elif holds_tensors(state[k]):  # a list, dict, deque or object of tensors: one input per leaf
-                    slots += leaf_slots(InputSlot("state", g, i, k), state[k], owned)
+                    slots += leaf_slots(InputSlot.state(g, i, k), state[k], owned)
             # Tensors hung on the param (Megatron's main_grad): inputs like its state; one that *is*
             # the param, its grad or a state tensor is that input (stand_ins.py points it there)
             mine = {id(p), id(p.grad), *(id(v) for v in state.values() if isinstance(v, torch.Tensor))}
-            slots += [InputSlot("pattr", g, i, k) for k, v in tensor_attributes(p) if id(v) not in mine]
+            slots += [InputSlot.param_attribute(g, i, k) for k, v in tensor_attributes(p) if id(v) not in mine]
     # Tensors held as optimizer attributes (GradScaler's grad_scale and
     # found_inf on a fused optimizer, a user's scale tensor, a cache of
     # buffers) and tensor hyperparameters (lr=torch.tensor(0.01)): inputs
@@ -48,16 +48,16 @@ def input_slots(opt: torch.optim.Optimizer, view: TraceView | None = None) -> li
     # (one that is a param, grad or state tensor, like QK-Clip's w_q, is that input: not another)
     per_param = {id(slot_tensor(opt, s)) for s in slots}
     slots += [
-        InputSlot("attr", -1, -1, k) for k in sorted(vars(opt))
+        InputSlot.attribute(k) for k in sorted(vars(opt))
         if _tensor_attribute(opt, k) and id(vars(opt)[k]) not in per_param
     ]
     for k in container_attributes(opt):
-        slots += leaf_slots(InputSlot("attr", -1, -1, k), vars(opt)[k], owned)
+        slots += leaf_slots(InputSlot.attribute(k), vars(opt)[k], owned)
     for g, group in enumerate(opt.param_groups):
-        slots += [InputSlot("group", g, -1, k) for k in sorted(group) if k != "params" and _tensor(group[k])]
+        slots += [InputSlot.group_entry(g, k) for k in sorted(group) if k != "params" and _tensor(group[k])]
     for g, group in enumerate(opt.param_groups):  # containers of tensors in a group (buffers kept there)
         for k in group_containers(group):
-            slots += leaf_slots(InputSlot("group", g, -1, k), group[k], owned)
+            slots += leaf_slots(InputSlot.group_entry(g, k), group[k], owned)
     return slots
 
 

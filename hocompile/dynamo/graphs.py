@@ -4,7 +4,7 @@ captured step, and the aten (CPU) or Triton (CUDA) lowering runs it.
 AOTAutograd gives a functionalized aten graph whose placeholders are the step's tensors (params,
 grads, state: Dynamo lifts them) and whose input mutations are trailing ``copy_(input, value)``
 nodes (``keep_inference_input_mutations``). That is the shape capture.py produces, less the
-binding plan: each placeholder gets ``InputSlot("graph", -1, i)`` as its ROLE, the ``copy_``
+binding plan: each placeholder gets ``InputSlot.graph_input(i)`` as its ROLE, the ``copy_``
 nodes become write-backs into input ``i`` (the lowering computes them in place where that is
 exactly safe, lowering/reinplace.py), and the graph's own outputs are returned as they are.
 
@@ -75,7 +75,7 @@ def prepare(gm: fx.GraphModule, eager_alpha: bool = True) -> PreparedGraph:
                 f"input {i} ({node.name}) is a {type(val).__name__}, not a tensor: symbolic shapes or numbers "
                 "(compile with dynamic=False; hocompile's passes plan static shapes)"
             )
-        node.meta[ROLE] = InputSlot("graph", -1, i)
+        node.meta[ROLE] = InputSlot.graph_input(i)
     index = {node: i for i, node in enumerate(placeholders)}
     if eager_alpha:
         _eager_alpha(gm.graph)

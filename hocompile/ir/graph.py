@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -45,9 +45,31 @@ HOST_SCALAR = f"{dtypes.name(torch.float64)} (host)"
 PER_PARAM = ("param", "grad", "state", "pattr")
 
 
+SlotKind = Literal["param", "grad", "state", "pattr", "attr", "group", "global", "graph", "carry"]
+
+# Which of (group, index, key) each kind uses; the others stay at their defaults (-1, ""), so one
+# place in the optimizer is one key, whichever code made it (bindings, guards and records key on it).
+_USES: dict[str, tuple[bool, bool, bool]] = {
+    "param": (True, True, False),
+    "grad": (True, True, False),
+    "state": (True, True, True),
+    "pattr": (True, True, True),
+    "attr": (False, False, True),
+    "group": (True, False, True),
+    "global": (False, True, False),
+    "graph": (False, True, False),
+    "carry": (True, True, True),
+}
+
+
 @dataclass(frozen=True)
 class InputSlot:
-    """Where a tensor input of the step graph lives in the optimizer."""
+    """Where a tensor input of the step graph lives in the optimizer.
+
+    One frozen value for every kind, because it is the key of every binding, guard and cache
+    record; each kind has a constructor (``InputSlot.state(g, i, "exp_avg")``) and the fields a
+    kind does not use are checked to stay at their defaults.
+    """
 
     # "param" | "grad" | "state" | "pattr" (a tensor attribute of a param, by name: Megatron's
     # ``main_grad``) | "attr" (a tensor attribute of the optimizer, by key)
@@ -56,7 +78,7 @@ class InputSlot:
     # | "graph" (input ``index`` of a graph torch.compile handed over: dynamo/graphs.py)
     # | "carry" (a value the part of the step before host read ``group`` computed, ``key`` its
     #   name: host_reads.py hands it to the rest instead of computing it twice)
-    kind: str
+    kind: SlotKind
     group: int
     index: int  # position in param_groups[group]["params"]
     key: str = ""  # state key, for kind == "state"
@@ -64,6 +86,66 @@ class InputSlot:
     # order, and its path for people (``[0]``, ``['L']``, ``.P``); -1: the value itself.
     leaf: int = -1
     path: str = ""
+
+    def __post_init__(self) -> None:
+        uses = _USES.get(self.kind)
+        if uses is None:
+            raise ValueError(f"InputSlot: unknown kind {self.kind!r}")
+        group, index, key = uses
+        if (self.group >= 0) != group or (self.index >= 0) != index or (not key and self.key != ""):
+            raise ValueError(f"InputSlot: a {self.kind!r} slot takes group={'a group' if group else -1}, "
+                             f"index={'an index' if index else -1}{', a key' if key else ''}; got {self!r}")
+
+    @classmethod
+    def param(cls, group: int, index: int) -> InputSlot:
+        return cls("param", group, index)
+
+    @classmethod
+    def grad(cls, group: int, index: int) -> InputSlot:
+        return cls("grad", group, index)
+
+    @classmethod
+    def state(cls, group: int, index: int, key: str) -> InputSlot:
+        return cls("state", group, index, key)
+
+    @classmethod
+    def param_attribute(cls, group: int, index: int, name: str) -> InputSlot:
+        return cls("pattr", group, index, name)
+
+    @classmethod
+    def attribute(cls, key: str) -> InputSlot:
+        """A tensor attribute of the optimizer itself (``opt.key``)."""
+        return cls("attr", -1, -1, key)
+
+    @classmethod
+    def group_entry(cls, group: int, key: str) -> InputSlot:
+        return cls("group", group, -1, key)
+
+    @classmethod
+    def shared(cls, index: int) -> InputSlot:
+        """Value ``index`` of a stamped step's shared part, as its class programs take it."""
+        return cls("global", -1, index)
+
+    @classmethod
+    def graph_input(cls, index: int) -> InputSlot:
+        return cls("graph", -1, index)
+
+    @classmethod
+    def carry(cls, read: int, j: int) -> InputSlot:
+        """Value ``j`` the part of the step before host read ``read`` computed for the rest."""
+        return cls("carry", read, j, f"read{read}.{j}")
+
+    def leaf_at(self, leaf: int, path: str) -> InputSlot:
+        """Tensor ``leaf`` (``path`` for people) of the container this slot holds."""
+        return InputSlot(self.kind, self.group, self.index, self.key, leaf, path)
+
+    def whole(self) -> InputSlot:
+        """The slot of the whole value (the container a leaf slot is in)."""
+        return InputSlot(self.kind, self.group, self.index, self.key)
+
+    def of_member(self, index: int) -> InputSlot:
+        """The same place for the param at ``index`` of the same group (a class's other member)."""
+        return InputSlot(self.kind, self.group, index, self.key)
 
     def label(self) -> str:
         if self.kind == "global":

@@ -153,7 +153,7 @@ def _program(
         if member_of_slot(slot) is None and (node in needed or slot in written):
             add(node, ProgramInput("shared", slot), slot)
     for node in [n for n in gm.graph.nodes if n in needed and n in exports and n not in inside]:
-        add(node, ProgramInput("global", index=exports[node]), InputSlot("global", -1, exports[node]))
+        add(node, ProgramInput("global", index=exports[node]), InputSlot.shared(exports[node]))
     for node in placeholders:
         role = node.meta.get(ROLE)
         if isinstance(role, Expr) and node in needed:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def member_slot(slot: InputSlot, index: int) -> InputSlot:
     """The representative's slot as member ``index`` has it."""
-    return InputSlot(slot.kind, slot.group, index, slot.key)
+    return slot.of_member(index)
 
 
 def stamped_planned(run: StampedRun) -> frozenset[InputSlot]:

@@ -194,16 +194,16 @@ def _compare(
     for g, (group, copies) in enumerate(zip(opt.param_groups, mirror.params)):
         for i, (p, c) in enumerate(zip(group["params"], copies)):
             diffs = [
-                check("param", InputSlot("param", g, i), p, c),
-                check("grad", InputSlot("grad", g, i), p.grad, c.grad),
+                check("param", InputSlot.param(g, i), p, c),
+                check("grad", InputSlot.grad(g, i), p.grad, c.grad),
             ]
             real, eager = opt.state.get(p, {}), mirror.state.get(c, {})
             if set(real) != set(eager):
                 diffs.append(f"state keys {sorted(map(str, real))} vs eager's {sorted(map(str, eager))}")
             for key in [k for k in real if k in eager]:
-                diffs += _check_entry(check, InputSlot("state", g, i, key), real[key], eager[key])
+                diffs += _check_entry(check, InputSlot.state(g, i, key), real[key], eager[key])
             diffs += [
-                check(f".{key}", InputSlot("pattr", g, i, key), value, getattr(c, key, None))
+                check(f".{key}", InputSlot.param_attribute(g, i, key), value, getattr(c, key, None))
                 for key, value in tensor_attributes(p)
             ]
             if any(diffs):
@@ -211,12 +211,12 @@ def _compare(
                 problems.append((f"param_groups[{g}]['params'][{i}] (shape {shape})", [d for d in diffs if d]))
     for g, (group, tensors) in enumerate(zip(opt.param_groups, mirror.group_tensors)):
         diffs = [
-            check(f"[{key!r}]", InputSlot("group", g, -1, key), group.get(key), want) for key, want in tensors.items()
+            check(f"[{key!r}]", InputSlot.group_entry(g, key), group.get(key), want) for key, want in tensors.items()
         ]
         if any(diffs):
             problems.append((f"param_groups[{g}]", [d for d in diffs if d]))
     for key, want in mirror.attr_tensors.items():
-        diff = check(f"attribute {key!r}", InputSlot("attr", -1, -1, key), vars(opt).get(key), want)
+        diff = check(f"attribute {key!r}", InputSlot.attribute(key), vars(opt).get(key), want)
         if diff:
             problems.append(("the optimizer", [diff]))
     record.exact, record.budgeted, record.unsampled = check.exact_count, check.budgeted, check.unsampled
@@ -236,7 +236,7 @@ def _check_entry(check: _Checker, slot: InputSlot, got: Any, want: Any) -> list[
     if got_spec.signature() != want_spec.signature():
         return [f"{what} is a {describe_spec(got_spec)}, eager's a {describe_spec(want_spec)} (or their values differ)"]
     return [
-        check(what + path, InputSlot(slot.kind, slot.group, slot.index, slot.key, j, path), a, b)
+        check(what + path, slot.leaf_at(j, path), a, b)
         for j, (a, b, path) in enumerate(zip(got_leaves, want_leaves, paths))
     ]
 
