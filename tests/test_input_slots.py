@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from hocompile.ir.graph import InputSlot
+from hocompile.ir.graph import AttributeSlot, GroupSlot, InputSlot, ParamSlot, SharedSlot, StateSlot
 
 
 @pytest.mark.parametrize(
@@ -43,17 +43,24 @@ def test_leaves_members_and_wholes() -> None:
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("kind", "fields"),
     [
-        ("attr", 0, -1, "buf"),  # an optimizer attribute belongs to no group
-        ("group", 0, 3, "lr"),  # a group entry belongs to no param
-        ("param", 0, 1, "x"),  # a param has no key
-        ("param", -1, 1, ""),  # ... but a group
-        ("state", 0, -1, "m"),  # state is a param's
-        ("global", 0, 1, ""),
-        ("slot", 0, 0, ""),  # not a kind
+        (AttributeSlot, (0, -1, "buf")),  # an optimizer attribute belongs to no group
+        (GroupSlot, (0, 3, "lr")),  # a group entry belongs to no param
+        (ParamSlot, (0, 1, "x")),  # a param has no key
+        (ParamSlot, (-1, 1, "")),  # ... but a group
+        (StateSlot, (0, -1, "m")),  # state is a param's
+        (SharedSlot, (0, 1, "")),
     ],
 )
-def test_a_kind_refuses_fields_it_does_not_use(fields: tuple) -> None:
+def test_a_kind_refuses_fields_it_does_not_use(kind: type[InputSlot], fields: tuple) -> None:
     with pytest.raises(ValueError, match="InputSlot"):
-        InputSlot(*fields)
+        kind(*fields)
+
+
+def test_kinds_are_classes_and_never_equal() -> None:
+    assert isinstance(InputSlot.param(0, 1), ParamSlot) and InputSlot.param(0, 1).kind == "param"
+    assert InputSlot.param(0, 1) != InputSlot.grad(0, 1)
+    assert len({InputSlot.param(0, 1), InputSlot.grad(0, 1), InputSlot.param(0, 1)}) == 2
+    with pytest.raises(TypeError, match="of a kind"):
+        InputSlot(0, 1)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.fx as fx
@@ -47,105 +47,87 @@ PER_PARAM = ("param", "grad", "state", "pattr")
 
 SlotKind = Literal["param", "grad", "state", "pattr", "attr", "group", "global", "graph", "carry"]
 
-# Which of (group, index, key) each kind uses; the others stay at their defaults (-1, ""), so one
-# place in the optimizer is one key, whichever code made it (bindings, guards and records key on it).
-_USES: dict[str, tuple[bool, bool, bool]] = {
-    "param": (True, True, False),
-    "grad": (True, True, False),
-    "state": (True, True, True),
-    "pattr": (True, True, True),
-    "attr": (False, False, True),
-    "group": (True, False, True),
-    "global": (False, True, False),
-    "graph": (False, True, False),
-    "carry": (True, True, True),
-}
-
 
 @dataclass(frozen=True)
 class InputSlot:
-    """Where a tensor input of the step graph lives in the optimizer.
+    """Where a tensor input of the step graph lives in the optimizer: one subclass per kind.
 
-    One frozen value for every kind, because it is the key of every binding, guard and cache
-    record; each kind has a constructor (``InputSlot.state(g, i, "exp_avg")``) and the fields a
-    kind does not use are checked to stay at their defaults.
+    A slot is the key of every binding, guard and cache record, so it is a frozen value; two kinds
+    never compare equal (each is its own class). Every kind has the same five fields, since code
+    that walks a step's inputs reads them alike; each class declares which of (group, index, key)
+    it uses, and the others must stay at their defaults (-1, ""), so one place is one key. Made by
+    the constructors (``InputSlot.state(g, i, "exp_avg")``, ``slot.leaf_at(j, path)``).
     """
 
-    # "param" | "grad" | "state" | "pattr" (a tensor attribute of a param, by name: Megatron's
-    # ``main_grad``) | "attr" (a tensor attribute of the optimizer, by key)
-    # | "group" (a tensor in param_groups[group][key], e.g. lr=torch.tensor(0.01))
-    # | "global" (a stamped step's class program: value ``index`` of the step's shared part)
-    # | "graph" (input ``index`` of a graph torch.compile handed over: dynamo/graphs.py)
-    # | "carry" (a value the part of the step before host read ``group`` computed, ``key`` its
-    #   name: host_reads.py hands it to the rest instead of computing it twice)
-    kind: SlotKind
-    group: int
-    index: int  # position in param_groups[group]["params"]
-    key: str = ""  # state key, for kind == "state"
+    kind: ClassVar[SlotKind]
+    uses: ClassVar[tuple[bool, bool, bool]]  # (group, index, key)
+
+    group: int = -1
+    index: int = -1  # position in param_groups[group]["params"]
+    key: str = ""  # a state key, an attribute's or a group entry's name
     # A tensor inside a container held there (containers.py): its index in flatten()'s
     # order, and its path for people (``[0]``, ``['L']``, ``.P``); -1: the value itself.
     leaf: int = -1
     path: str = ""
 
     def __post_init__(self) -> None:
-        uses = _USES.get(self.kind)
-        if uses is None:
-            raise ValueError(f"InputSlot: unknown kind {self.kind!r}")
-        group, index, key = uses
+        if type(self) is InputSlot:
+            raise TypeError("InputSlot: make a slot of a kind (InputSlot.param(g, i), InputSlot.state(g, i, key), ...)")
+        group, index, key = self.uses
         if (self.group >= 0) != group or (self.index >= 0) != index or (not key and self.key != ""):
             raise ValueError(f"InputSlot: a {self.kind!r} slot takes group={'a group' if group else -1}, "
                              f"index={'an index' if index else -1}{', a key' if key else ''}; got {self!r}")
 
-    @classmethod
-    def param(cls, group: int, index: int) -> InputSlot:
-        return cls("param", group, index)
+    @staticmethod
+    def param(group: int, index: int) -> InputSlot:
+        return ParamSlot(group, index)
 
-    @classmethod
-    def grad(cls, group: int, index: int) -> InputSlot:
-        return cls("grad", group, index)
+    @staticmethod
+    def grad(group: int, index: int) -> InputSlot:
+        return GradSlot(group, index)
 
-    @classmethod
-    def state(cls, group: int, index: int, key: str) -> InputSlot:
-        return cls("state", group, index, key)
+    @staticmethod
+    def state(group: int, index: int, key: str) -> InputSlot:
+        return StateSlot(group, index, key)
 
-    @classmethod
-    def param_attribute(cls, group: int, index: int, name: str) -> InputSlot:
-        return cls("pattr", group, index, name)
+    @staticmethod
+    def param_attribute(group: int, index: int, name: str) -> InputSlot:
+        return ParamAttributeSlot(group, index, name)
 
-    @classmethod
-    def attribute(cls, key: str) -> InputSlot:
+    @staticmethod
+    def attribute(key: str) -> InputSlot:
         """A tensor attribute of the optimizer itself (``opt.key``)."""
-        return cls("attr", -1, -1, key)
+        return AttributeSlot(key=key)
 
-    @classmethod
-    def group_entry(cls, group: int, key: str) -> InputSlot:
-        return cls("group", group, -1, key)
+    @staticmethod
+    def group_entry(group: int, key: str) -> InputSlot:
+        return GroupSlot(group, key=key)
 
-    @classmethod
-    def shared(cls, index: int) -> InputSlot:
+    @staticmethod
+    def shared(index: int) -> InputSlot:
         """Value ``index`` of a stamped step's shared part, as its class programs take it."""
-        return cls("global", -1, index)
+        return SharedSlot(index=index)
 
-    @classmethod
-    def graph_input(cls, index: int) -> InputSlot:
-        return cls("graph", -1, index)
+    @staticmethod
+    def graph_input(index: int) -> InputSlot:
+        return GraphInputSlot(index=index)
 
-    @classmethod
-    def carry(cls, read: int, j: int) -> InputSlot:
+    @staticmethod
+    def carry(read: int, j: int) -> InputSlot:
         """Value ``j`` the part of the step before host read ``read`` computed for the rest."""
-        return cls("carry", read, j, f"read{read}.{j}")
+        return CarrySlot(read, j, f"read{read}.{j}")
 
     def leaf_at(self, leaf: int, path: str) -> InputSlot:
         """Tensor ``leaf`` (``path`` for people) of the container this slot holds."""
-        return InputSlot(self.kind, self.group, self.index, self.key, leaf, path)
+        return type(self)(self.group, self.index, self.key, leaf, path)
 
     def whole(self) -> InputSlot:
         """The slot of the whole value (the container a leaf slot is in)."""
-        return InputSlot(self.kind, self.group, self.index, self.key)
+        return type(self)(self.group, self.index, self.key)
 
     def of_member(self, index: int) -> InputSlot:
         """The same place for the param at ``index`` of the same group (a class's other member)."""
-        return InputSlot(self.kind, self.group, index, self.key)
+        return type(self)(self.group, index, self.key)
 
     def label(self) -> str:
         if self.kind == "global":
@@ -182,6 +164,65 @@ class InputSlot:
         if self.kind == "pattr":
             return f"{where}.{self.key}"
         return f"state[{where}][{self.key!r}]{self.path}"
+
+
+# The kinds. Per param (a member of a parameter class): param, grad, state, pattr (PER_PARAM).
+class ParamSlot(InputSlot):
+    kind = "param"
+    uses = (True, True, False)
+
+
+class GradSlot(InputSlot):
+    kind = "grad"
+    uses = (True, True, False)
+
+
+class StateSlot(InputSlot):
+    kind = "state"
+    uses = (True, True, True)
+
+
+class ParamAttributeSlot(InputSlot):
+    """A tensor attribute of a param, by name (Megatron's ``main_grad``)."""
+
+    kind = "pattr"
+    uses = (True, True, True)
+
+
+class AttributeSlot(InputSlot):
+    """A tensor attribute of the optimizer, by name."""
+
+    kind = "attr"
+    uses = (False, False, True)
+
+
+class GroupSlot(InputSlot):
+    """A tensor in ``param_groups[group][key]`` (``lr=torch.tensor(0.01)``)."""
+
+    kind = "group"
+    uses = (True, False, True)
+
+
+class SharedSlot(InputSlot):
+    """A stamped step's class program's input: value ``index`` of the step's shared part."""
+
+    kind = "global"
+    uses = (False, True, False)
+
+
+class GraphInputSlot(InputSlot):
+    """Input ``index`` of a graph torch.compile handed over (dynamo/graphs.py)."""
+
+    kind = "graph"
+    uses = (False, True, False)
+
+
+class CarrySlot(InputSlot):
+    """A value the part of the step before host read ``group`` computed (``key`` its name):
+    host_reads.py hands it to the rest instead of computing it twice."""
+
+    kind = "carry"
+    uses = (True, True, True)
 
 
 def _ident(text: str) -> str:
