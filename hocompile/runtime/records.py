@@ -102,6 +102,7 @@ class SelfCheck:
     worst: str = ""  # the last check's tensor closest to its bound
     skipped: str = ""  # why this program is not checked
     failed: str = ""
+    irreproducible: int = 0  # checks whose first eager run on copies differed from its second (self_check._confirmed)
 
     def describe(self) -> str:
         if self.skipped:
@@ -119,4 +120,7 @@ class SelfCheck:
         if self.postponed:
             share = self.seconds / self.step_seconds if self.step_seconds else 0.0
             head += f"; {self.postponed} postponed to keep within {BUDGET:.0%} of step time, now {share:.1%}"
+        if self.irreproducible:
+            head += (f"; eager's own step did not reproduce itself on {self.irreproducible} check(s): "
+                     "judged against its second run")
         return head + f"); {self.worst or 'all bitwise'}"
