@@ -61,3 +61,13 @@ def test_hocompiles_own_files_are_not_the_users() -> None:
     files = seen.files()
     assert __file__ in files
     assert not [f for f in files if f.startswith(PACKAGE)], files
+
+
+def test_a_sibling_whose_name_starts_the_same_is_the_users() -> None:
+    """``hocompile_train.py`` beside the package, ``torchao/`` beside torch: the user's code, not ours."""
+    stand_in, real = torch.zeros(2), torch.zeros(2)
+    traced_id = real_id({id(stand_in): real}, id)
+    for sibling in (PACKAGE + "_train.py", os.path.dirname(torch.__file__) + "ao/optim.py"):
+        assert _run_as(sibling, "got = traced_id(x)", traced_id=traced_id, x=stand_in)["got"] == id(real), sibling
+        where = _run_as(sibling, "def where():\n    return user_line()\n", user_line=user_line)["where"]()
+        assert where.startswith(f" at {sibling}:"), where

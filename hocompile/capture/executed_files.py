@@ -9,10 +9,8 @@ import types
 import warnings
 from typing import Any
 
-import torch
-
 from ..errors import CompiledHelperWarning  # noqa: F401  (defined there, re-exported here)
-from .scalars import HOCOMPILE_DIR
+from .scalars import HOCOMPILE_DIR, TORCH_DIR
 
 
 def dynamo_wrapper_codes() -> frozenset[types.CodeType]:
@@ -33,7 +31,7 @@ class ExecutedFiles:
     torch.compile'd functions among those calls (``compiled``: "name (file:line)")."""
 
     _INTERNAL = (
-        os.path.dirname(torch.__file__),
+        TORCH_DIR,
         HOCOMPILE_DIR,  # hocompile itself
         sysconfig.get_paths()["stdlib"],  # Python's own: its version keys the cache too
     )

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import CaptureError
 from ..ir.graph import ROLE, InputSlot
-from .scalars import HOCOMPILE_DIR, Expr
+from .scalars import HOCOMPILE_DIR, TORCH_DIR, Expr
 
 
 @dataclass
@@ -111,8 +111,8 @@ def step_line() -> str:
     """`` at file:line (`code`)`` of the step's own line that reads: the innermost frame outside
     hocompile and torch's machinery (torch.optim's own code counts: Adafactor's reads are there)."""
     here = HOCOMPILE_DIR
-    torch_dir = os.path.dirname(torch.__file__)
-    optim_dir = os.path.join(torch_dir, "optim")
+    torch_dir = TORCH_DIR
+    optim_dir = os.path.join(torch_dir, "optim", "")
     for frame in reversed(traceback.extract_stack()):
         name = frame.filename
         machinery = name.startswith(torch_dir) and not name.startswith(optim_dir)

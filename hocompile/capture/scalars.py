@@ -208,13 +208,16 @@ def build_scalar_program(exprs: Sequence[Expr]) -> ScalarProgram:
 # hocompile's own source tree (this file is in hocompile/capture/): frames and files under it are
 # hocompile's, never the user's. Every "is this our code?" test uses it, so a module moving between
 # the package's folders cannot shrink "ours" to its own folder.
-HOCOMPILE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Both end in a separator: a sibling whose name merely starts the same (``torchao/``, a user's
+# ``hocompile_train.py`` beside the package) is not theirs.
+HOCOMPILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 
 
 def user_line(frames: list[traceback.FrameSummary] | None = None) -> str:
     """`` at file:line (`code`)`` of the innermost frame outside torch and hocompile: where in the
     user's step a refusal comes from (``frames``: an exception's traceback; default: the current stack)."""
-    internal = (os.path.dirname(torch.__file__), HOCOMPILE_DIR)
+    internal = (TORCH_DIR, HOCOMPILE_DIR)
     for frame in reversed(traceback.extract_stack() if frames is None else frames):
         if not frame.filename.startswith(internal) and "<" not in frame.filename[:1]:
             code = f" (`{frame.line.strip()}`)" if frame.line else ""

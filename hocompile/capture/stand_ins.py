@@ -28,7 +28,6 @@ that differ in them never share a stamped program.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 
 from ..errors import CaptureError
 from .containers import holds_tensors
-from .scalars import HOCOMPILE_DIR, user_line
+from .scalars import HOCOMPILE_DIR, TORCH_DIR, user_line
 
 FLAGS = ("requires_grad", "is_leaf")
 _CLASSES = (torch.nn.Parameter,)  # classes a stand-in may take on (plain Tensor subclasses, no wrappers)
@@ -55,7 +54,7 @@ def real_flag(func: Any, args: tuple[Any, ...], stand_ins: dict[int, torch.Tenso
 def real_id(stand_ins: dict[int, torch.Tensor], builtin_id: Callable[[Any], int]) -> Callable[[Any], int]:
     """``id`` while tracing: a stand-in's is the real param's where the user's code asks
     (``id(p) in self.no_decay_ids``), its own where torch or hocompile ask (their bookkeeping)."""
-    internal = (os.path.dirname(torch.__file__), HOCOMPILE_DIR)
+    internal = (TORCH_DIR, HOCOMPILE_DIR)
 
     def traced_id(obj: Any) -> int:
         ident = builtin_id(obj)
